@@ -1,0 +1,286 @@
+"""Command-line and recipe arguments.
+
+Every setting lives in exactly one dataclass field below (or in `TrainingArguments`). A YAML recipe passed with
+`--config` sets field values; flags on the command line override the recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser, TrainingArguments
+
+from .errors import RecipeError
+
+
+@dataclass
+class ModelArguments:
+    """Which model to fine-tune, or which config to train from scratch."""
+
+    model_name_or_path: str | None = field(
+        default="google/vit-base-patch16-224-in21k",
+        metadata={"help": "Hub id or local path of the checkpoint to fine-tune. Set to null to train from scratch "
+                  "from --config_name."},
+    )
+    config_name: str | None = field(
+        default=None,
+        metadata={"help": "Train from scratch: a model type such as 'vit', or a Hub id/path whose config to use."},
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated config overrides when training from scratch, e.g. "
+                  "'hidden_size=192,num_hidden_layers=6,num_attention_heads=3,intermediate_size=768,image_size=32,"
+                  "patch_size=4'."},
+    )
+    image_processor_name: str | None = field(
+        default=None, metadata={"help": "Image processor to take mean/std from (default: the model's)."}
+    )
+    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of the checkpoint."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub downloads."})
+    attn_implementation: str = field(
+        default="sdpa", metadata={"help": "Attention kernel: 'sdpa' (fused, default) or 'eager'."}
+    )
+
+
+@dataclass
+class DataArguments:
+    """Where the images come from and how they are stored for training."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A preset (cifar100, food101, beans), any Hub dataset id, or a local path: an imagefolder "
+                  "tree, a folder of parquet/arrow files, or a save_to_disk folder."},
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    image_column_name: str | None = field(
+        default=None, metadata={"help": "Image column (default: the preset's, else detected)."}
+    )
+    label_column_name: str | None = field(
+        default=None, metadata={"help": "Label column (default: the preset's, else detected)."}
+    )
+    train_split_name: str = field(default="train", metadata={"help": "Split to train on."})
+    validation_split_name: str | None = field(
+        default=None, metadata={"help": "Validation split (default: 'validation'/'valid'/'val' if present)."}
+    )
+    test_split_name: str | None = field(
+        default=None, metadata={"help": "Test split evaluated once at the end (default: 'test' if present)."}
+    )
+    validation_split_percentage: float = field(
+        default=0.1,
+        metadata={"help": "Fraction of train carved (seeded, stratified) into validation when there is none."},
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate train (debugging)."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate validation and test."})
+    storage_size: int | None = field(
+        default=None,
+        metadata={"help": "Side of the square uint8 images the DataLoader delivers. Default: the native size when all "
+                  "images share one no larger than the model's, else image_size/0.875 (256 for 224)."},
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes that decode images once into the on-disk cache."}
+    )
+    predict_images: str | None = field(
+        default=None,
+        metadata={"help": "With --do_predict: a folder (or single image) to classify into predictions.csv."},
+    )
+
+
+@dataclass
+class AugmentationArguments:
+    """Batched augmentation that runs on the training device."""
+
+    crop_scale_min: float = field(
+        default=0.08, metadata={"help": "Smallest area fraction of random-resized crop (1.0 disables cropping)."}
+    )
+    hflip_prob: float = field(default=0.5, metadata={"help": "Probability of a horizontal flip."})
+    auto_augment: str = field(
+        default="none", metadata={"help": "Extra policy: 'none', 'randaugment' or 'trivialaugment'."}
+    )
+    randaugment_num_ops: int = field(default=2, metadata={"help": "RandAugment: ops per image."})
+    randaugment_magnitude: int = field(default=9, metadata={"help": "RandAugment: magnitude (0-30)."})
+    mixup_alpha: float = field(default=0.0, metadata={"help": "Mixup Beta(alpha, alpha); 0 disables."})
+    cutmix_alpha: float = field(default=0.0, metadata={"help": "CutMix Beta(alpha, alpha); 0 disables."})
+    eval_crop_pct: float = field(
+        default=1.0, metadata={"help": "Evaluation: resize to image_size/eval_crop_pct, then centre-crop."}
+    )
+
+
+def _default_workers() -> int:
+    # Our loader only slices pre-decoded uint8 arrays, so a few workers keep any GPU fed.
+    return min(8, max(1, (os.cpu_count() or 2) // 2))
+
+
+@dataclass
+class RecipeTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with defaults suited to image classification."""
+
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Replace an output_dir that holds a different or finished run."}
+    )
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep pixel columns (see TrainingArguments)."})
+    eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate: 'no', 'steps' or 'epoch'."})
+    save_strategy: str = field(default="epoch", metadata={"help": "When to checkpoint: 'no', 'steps' or 'epoch'."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept on disk."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N steps."})
+    dataloader_num_workers: int = field(
+        default_factory=_default_workers, metadata={"help": "DataLoader workers (default: half the cores, at most 8)."}
+    )
+    dataloader_persistent_workers: bool = field(
+        default=True, metadata={"help": "Keep DataLoader workers alive between epochs."}
+    )
+    dataloader_prefetch_factor: int | None = field(default=4, metadata={"help": "Batches prefetched per worker."})
+    gradient_checkpointing_kwargs: dict | str | None = field(
+        default_factory=lambda: {"use_reentrant": False},
+        metadata={"help": "Non-reentrant by default: works with frozen inputs (LoRA) and every strategy."},
+    )
+
+    def __post_init__(self):
+        if self.dataloader_num_workers == 0:
+            self.dataloader_persistent_workers = False
+            self.dataloader_prefetch_factor = None
+        super().__post_init__()
+
+
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, AugmentationArguments, RecipeTrainingArguments)
+
+
+def build_parser() -> HfArgumentParser:
+    parser = HfArgumentParser(ARGUMENT_CLASSES)
+    parser.add_argument("--config", default=None, help="YAML recipe whose keys are any of the arguments below.")
+    return parser
+
+
+def _coerce(key: str, value: Any, action: argparse.Action, source: str) -> Any:
+    """Give a recipe value the type its flag would have (YAML reads `5e-5` as a string, for one)."""
+    if value is None or action.type is None or not callable(action.type):
+        return value
+    if action.nargs in ("+", "*") and isinstance(value, list):
+        return [_coerce(key, v, argparse.Namespace(type=action.type, nargs=None), source) for v in value]
+    if isinstance(value, bool) and action.type in (int, float):
+        raise RecipeError(f"{source}: '{key}' must be a number, got {value!r}")
+    if action.type in (int, float, str):
+        try:
+            coerced = action.type(value)
+        except (TypeError, ValueError):
+            raise RecipeError(f"{source}: '{key}' must be {action.type.__name__}, got {value!r}") from None
+        if action.type is int and isinstance(value, float) and coerced != value:
+            raise RecipeError(f"{source}: '{key}' must be a whole number, got {value!r}")
+        return coerced
+    if isinstance(value, str):
+        try:
+            return action.type(value)
+        except (TypeError, ValueError) as err:
+            raise RecipeError(f"{source}: '{key}' has a bad value {value!r}: {err}") from None
+    return value
+
+
+def load_recipe(path: str | os.PathLike, parser: HfArgumentParser) -> dict[str, Any]:
+    """Read a YAML recipe and check every key against the parser's arguments."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        values = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise RecipeError(f"recipe {path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise RecipeError(f"recipe {path} must be a mapping of argument: value, got {type(values).__name__}")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    for key in values:
+        if key not in actions:
+            close = difflib.get_close_matches(str(key), list(actions), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise RecipeError(f"recipe {path}: unknown key '{key}'{hint}")
+    return {key: _coerce(key, value, actions[key], f"recipe {path}") for key, value in values.items()}
+
+
+@dataclass
+class RunArguments:
+    model: ModelArguments
+    data: DataArguments
+    augment: AugmentationArguments
+    training: RecipeTrainingArguments
+    recipe: str | None  # the --config file, if any
+
+
+def parse_args(argv: list[str] | None = None) -> RunArguments:
+    """Parse recipe + command line (the command line wins)."""
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_recipe(known.config, parser))
+    try:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as err:  # raised by TrainingArguments.__post_init__ on inconsistent values
+        raise RecipeError(f"invalid arguments: {str(err).splitlines()[0]}") from None
+    model_args, data_args, aug_args, training_args = parsed[:4]
+    _move_token_out_of_args(training_args)
+    validate_arguments(model_args, data_args, aug_args, training_args)
+    return RunArguments(model_args, data_args, aug_args, training_args, known.config)
+
+
+def _move_token_out_of_args(training_args: TrainingArguments) -> None:
+    # TrainingArguments is pickled into every checkpoint (training_args.bin): a token there would leak with it.
+    if training_args.hub_token:
+        os.environ["HF_TOKEN"] = training_args.hub_token
+        training_args.hub_token = None
+
+
+def validate_arguments(model_args, data_args, aug_args, training_args) -> None:
+    """Reject values that would only fail (or silently misbehave) later, in one line each."""
+    checks = [
+        (training_args.learning_rate > 0, f"learning_rate must be > 0, got {training_args.learning_rate}"),
+        (training_args.per_device_train_batch_size > 0,
+         f"per_device_train_batch_size must be > 0, got {training_args.per_device_train_batch_size}"),
+        (training_args.per_device_eval_batch_size > 0,
+         f"per_device_eval_batch_size must be > 0, got {training_args.per_device_eval_batch_size}"),
+        (training_args.gradient_accumulation_steps > 0,
+         f"gradient_accumulation_steps must be > 0, got {training_args.gradient_accumulation_steps}"),
+        (training_args.max_steps > 0 or training_args.num_train_epochs > 0,
+         "num_train_epochs must be > 0 (or set max_steps)"),
+        (0 < data_args.validation_split_percentage < 1,
+         f"validation_split_percentage must be in (0, 1), got {data_args.validation_split_percentage}"),
+        (data_args.storage_size is None or data_args.storage_size > 0,
+         f"storage_size must be > 0, got {data_args.storage_size}"),
+        (0 < aug_args.crop_scale_min <= 1, f"crop_scale_min must be in (0, 1], got {aug_args.crop_scale_min}"),
+        (0 <= aug_args.hflip_prob <= 1, f"hflip_prob must be in [0, 1], got {aug_args.hflip_prob}"),
+        (aug_args.auto_augment in ("none", "randaugment", "trivialaugment"),
+         f"auto_augment must be none, randaugment or trivialaugment, got {aug_args.auto_augment!r}"),
+        (aug_args.mixup_alpha >= 0 and aug_args.cutmix_alpha >= 0, "mixup_alpha and cutmix_alpha must be >= 0"),
+        (0 < aug_args.eval_crop_pct <= 1, f"eval_crop_pct must be in (0, 1], got {aug_args.eval_crop_pct}"),
+        (0 <= training_args.label_smoothing_factor < 1,
+         f"label_smoothing_factor must be in [0, 1), got {training_args.label_smoothing_factor}"),
+        (model_args.model_name_or_path or model_args.config_name,
+         "set --model_name_or_path to fine-tune, or --config_name to train from scratch"),
+        (data_args.dataset_name or not (training_args.do_train or training_args.do_eval),
+         "--dataset_name is required: a preset (cifar100, food101, beans), a Hub id or a local path"),
+        (not (training_args.do_predict and data_args.predict_images is None and data_args.dataset_name is None),
+         "--do_predict needs --predict_images (a folder of images) or a dataset with a test split"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise RecipeError(message)
+
+
+def run_config(args: RunArguments) -> dict[str, Any]:
+    """The settings that define *which* run an output directory holds (used to refuse mixing two runs)."""
+    return {
+        "model_name_or_path": args.model.model_name_or_path,
+        "config_name": args.model.config_name,
+        "config_overrides": args.model.config_overrides,
+        "dataset_name": args.data.dataset_name,
+        "dataset_config_name": args.data.dataset_config_name,
+        "seed": args.training.seed,
+    }

@@ -1,0 +1,90 @@
+"""A Trainer whose batches arrive as uint8 and are augmented on the training device."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainerCallback
+
+
+class ImageClassificationTrainer(Trainer):
+    """`Trainer` plus three things:
+
+    - device transforms: `pixel_values` come from the DataLoader as uint8 at storage resolution and are resized,
+      augmented (training) or centre-cropped (evaluation) and normalised batched on the device;
+    - the loss: cross-entropy with label smoothing, or soft-target cross-entropy under mixup/cutmix;
+    - the model card: `push_to_hub` writes ours (see hub.py) instead of the generic one.
+    """
+
+    def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, card_writer=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.train_transform = train_transform.to(self.args.device) if train_transform is not None else None
+        self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
+        self.mixup = mixup
+        self.card_writer = card_writer
+        # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
+        self.model_accepts_loss_kwargs = False
+
+    def _prepare_inputs(self, inputs):
+        inputs = super()._prepare_inputs(inputs)
+        pixels = inputs.get("pixel_values")
+        if pixels is not None and pixels.dtype == torch.uint8:
+            transform = self.train_transform if self.model.training else self.eval_transform
+            pixels = transform(pixels)
+            if self.is_deepspeed_enabled:  # DeepSpeed holds bf16/fp16 weights and does not autocast inputs
+                pixels = pixels.to(self.accelerator.state.deepspeed_plugin.hf_ds_config.dtype())
+            inputs["pixel_values"] = pixels
+        return inputs
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.get("labels")
+        model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        targets = None
+        if labels is not None and model.training and self.mixup is not None:
+            model_inputs["pixel_values"], targets = self.mixup(model_inputs["pixel_values"], labels)
+        outputs = model(**model_inputs)
+        logits = outputs["logits"].float()
+        if targets is not None:
+            loss = torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
+        elif labels is not None:
+            smoothing = self.args.label_smoothing_factor if model.training else 0.0
+            loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
+        else:
+            loss = logits.new_zeros(())
+        return (loss, outputs) if return_outputs else loss
+
+    def create_model_card(self, *args, **kwargs):
+        if self.card_writer is not None:
+            if self.is_world_process_zero():
+                self.card_writer()
+        else:
+            super().create_model_card(*args, **kwargs)
+
+
+class ThroughputCallback(TrainerCallback):
+    """Steady-state training images/s: skips warm-up steps and excludes time spent evaluating or saving."""
+
+    def __init__(self, images_per_step: int, warmup_steps: int = 5):
+        self.images_per_step = images_per_step
+        self.warmup_steps = warmup_steps
+        self.steps = 0
+        self.seconds = 0.0
+        self._last = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        if self._last is not None and state.global_step > self.warmup_steps:
+            self.seconds += now - self._last
+            self.steps += 1
+        self._last = now
+
+    def _pause(self, *args, **kwargs):
+        self._last = None  # the next interval would include evaluation/saving
+
+    on_evaluate = on_save = on_epoch_begin = _pause
+
+    @property
+    def images_per_second(self) -> float | None:
+        return self.images_per_step * self.steps / self.seconds if self.seconds > 0 else None
