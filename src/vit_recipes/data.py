@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +96,9 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
             try:
                 loaded = datasets.load_dataset(str(path), config_name, cache_dir=cache_dir)
             except (FileNotFoundError, ValueError) as err:
+                empty = re.search(r'Instruction "(.+)" corresponds to no data', str(err))
+                if empty:
+                    raise RecipeError(f"split '{empty.group(1)}' is empty (in {path})") from None
                 raise RecipeError(f"no dataset found in folder {path}: {str(err).splitlines()[0]}") from None
         return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
@@ -232,20 +236,28 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     validation = dataset_dict[val_name] if val_name else None
     test = dataset_dict[test_name] if test_name else None
     if train is not None and validation is None:
-        if len(train) < 2 * len(names):
-            raise RecipeError(f"train has {len(train)} images for {len(names)} classes: too few to carve a "
-                              "validation split; pass --validation_split_name")
-        carved = train.train_test_split(
-            test_size=data_args.validation_split_percentage, seed=seed, stratify_by_column=LABELS
-        )
-        train, validation = carved["train"], carved["test"]
-        logger.info("No validation split: carved %d stratified images from train (seed %d)", len(validation), seed)
+        train, validation = carve_validation(train, data_args.validation_split_percentage, len(names), seed)
     if train is not None and data_args.max_train_samples:
         train = train.shuffle(seed=seed).select(range(min(data_args.max_train_samples, len(train))))
     if data_args.max_eval_samples:
         validation = validation and validation.select(range(min(data_args.max_eval_samples, len(validation))))
         test = test and test.select(range(min(data_args.max_eval_samples, len(test))))
     return ImageSplits(train, validation, test, image_column, names, source_kind)
+
+
+def carve_validation(train: Dataset, fraction: float, num_classes: int, seed: int) -> tuple[Dataset, Dataset]:
+    """A seeded validation split from train, stratified so every class is represented in proportion."""
+    size = max(round(fraction * len(train)), num_classes)  # stratifying needs at least one image per class
+    if len(train) - size < num_classes:
+        raise RecipeError(f"train has {len(train)} images for {num_classes} classes: too few to carve a "
+                          "validation split; pass --validation_split_name")
+    try:
+        carved = train.train_test_split(test_size=size, seed=seed, stratify_by_column=LABELS)
+    except ValueError:  # some class has a single image: stratification is impossible
+        logger.warning("Some class has fewer than 2 training images: carving validation without stratification")
+        carved = train.train_test_split(test_size=size, seed=seed)
+    logger.info("No validation split: carved %d images from train (seed %d, stratified)", size, seed)
+    return carved["train"], carved["test"]
 
 
 def load_image_folder(folder: str) -> Dataset:

@@ -1,0 +1,90 @@
+"""Shared fixtures: small local datasets shaped like the Hub ones and a tiny ViT saved with save_pretrained."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Tests never reach the Hub: every dataset and checkpoint below is built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run_image_classification.py lives at the top level
+
+
+def pattern_images(labels: np.ndarray, size: int, seed: int) -> np.ndarray:
+    """Learnable RGB images: each class is a distinct colour blend plus noise."""
+    rng = np.random.default_rng(seed)
+    palette = np.random.default_rng(1234).integers(0, 256, size=(int(labels.max()) + 1, 3))
+    images = palette[labels][:, None, None, :] + rng.normal(0, 20, size=(len(labels), size, size, 3))
+    return np.clip(images, 0, 255).astype(np.uint8)
+
+
+def write_parquet_splits(root: Path, splits: dict[str, dict], features) -> Path:
+    from datasets import Dataset
+
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    for name, columns in splits.items():
+        Dataset.from_dict(columns, features=features).to_parquet(str(root / "data" / f"{name}-00000-of-00001.parquet"))
+    return root
+
+
+@pytest.fixture(scope="session")
+def cifar_like(tmp_path_factory) -> Path:
+    """uoft-cs/cifar100's schema: img (PNG 32x32), fine_label (100 names), coarse_label; train and test only."""
+    from datasets import ClassLabel, Features, Image
+    from PIL import Image as PILImage
+
+    features = Features({"img": Image(), "fine_label": ClassLabel(names=[f"class_{i}" for i in range(100)]),
+                         "coarse_label": ClassLabel(names=[f"super_{i}" for i in range(20)])})
+    splits = {}
+    for name, per_class, seed in (("train", 4, 0), ("test", 1, 1)):
+        labels = np.repeat(np.arange(100), per_class)
+        images = pattern_images(labels, 32, seed)
+        splits[name] = {"img": [PILImage.fromarray(x) for x in images], "fine_label": labels,
+                        "coarse_label": labels // 5}
+    return write_parquet_splits(tmp_path_factory.mktemp("cifar100"), splits, features)
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory) -> Path:
+    from vit_recipes.demo_data import build_digits
+
+    return build_digits(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vit(tmp_path_factory) -> Path:
+    """A randomly initialised ViT (16x16 input, 4x4 patches) saved like a Hub checkpoint, with a 7-class head."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, num_labels=7)
+    path = tmp_path_factory.mktemp("tiny-vit")
+    ViTForImageClassification(config).save_pretrained(path)
+    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def run_script():
+    """Run the script in-process (imports are paid once) and return its results dict."""
+    import run_image_classification
+
+    def run(*argv: str) -> dict:
+        return run_image_classification.main([str(a) for a in argv])
+
+    return run
+
+
+FAST_ARGS = ("--dataloader_num_workers", "0", "--use_cpu", "true", "--report_to", "none", "--logging_steps", "5",
+             "--save_strategy", "no", "--eval_strategy", "no")

@@ -1,0 +1,244 @@
+import io
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import numpy as np
+import pytest
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
+from PIL import Image as PILImage
+
+from vit_recipes import data as data_module
+from vit_recipes.data import PixelCollator, decode_splits, load_image_folder, load_splits, storage_shape_for
+from vit_recipes.errors import RecipeError
+
+
+def data_args(name, **kw):
+    base = dict(dataset_name=str(name), dataset_config_name=None, image_column_name=None, label_column_name=None,
+                train_split_name="train", validation_split_name=None, test_split_name=None,
+                validation_split_percentage=0.1, max_train_samples=None, max_eval_samples=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def png(array) -> bytes:
+    buffer = io.BytesIO()
+    PILImage.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def tiny_split(labels, size=8, feature=None, mode_image=None):
+    images = [mode_image or PILImage.fromarray(np.full((size, size, 3), 10 * i % 255, np.uint8)) for i in
+              range(len(labels))]
+    features = Features({"image": Image(), "label": feature or Value("string")})
+    return Dataset.from_dict({"image": images, "label": labels}, features=features)
+
+
+# ---------------------------------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize(
+    "preset, hub_id, image_col, label_col, splits",
+    [
+        ("cifar100", "uoft-cs/cifar100", "img", "fine_label", ("train", "test")),
+        ("food101", "ethz/food101", "image", "label", ("train", "validation")),
+        ("beans", "AI-Lab-Makerere/beans", "image", "labels", ("train", "validation", "test")),
+    ],
+)
+def test_presets_load_hub_schema(preset, hub_id, image_col, label_col, splits, tmp_path, monkeypatch):
+    """Each preset against a local replica with the Hub dataset's columns and splits."""
+    names = [f"c{i}" for i in range(4)]
+    extra = {"coarse_label": ClassLabel(names=["a", "b"])} if preset == "cifar100" else {}
+    features = Features({image_col: Image(), label_col: ClassLabel(names=names), **extra})
+    replica = DatasetDict()
+    for split in splits:
+        labels = np.tile(np.arange(4), 5)
+        columns = {image_col: [PILImage.fromarray(np.full((8, 8, 3), v * 50, np.uint8)) for v in labels],
+                   label_col: labels}
+        if extra:
+            columns["coarse_label"] = labels // 2
+        replica[split] = Dataset.from_dict(columns, features=features)
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls.append(path)
+        return replica
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    loaded = load_splits(data_args(preset))
+    assert calls == [hub_id]
+    assert loaded.image_column == image_col
+    assert loaded.label_names == names
+    assert loaded.train.column_names == [image_col, "labels"]
+    assert (loaded.test is not None) == ("test" in splits)
+    if "validation" not in splits:  # carved from train, stratified
+        assert len(loaded.validation) == 4 and len(loaded.train) == 16  # at least one per class
+    else:
+        assert len(loaded.validation) == 20
+
+
+def test_cifar_like_parquet_folder(cifar_like):
+    loaded = load_splits(data_args(cifar_like, label_column_name="fine_label"))
+    assert len(loaded.label_names) == 100 and loaded.label_source == "ClassLabel"
+    assert len(loaded.test) == 100
+    # stratified carve: every class keeps train images, validation draws evenly
+    assert len(loaded.validation) == 100
+    assert max(Counter(loaded.validation["labels"]).values()) == 1
+
+
+def test_unknown_dataset_is_one_line():
+    with pytest.raises(RecipeError, match="could not load 'nobody/no-such-dataset'|neither a local path"):
+        load_splits(data_args("nobody/no-such-dataset"))
+    with pytest.raises(RecipeError, match="dataset path not found"):
+        load_splits(data_args("./missing/folder"))
+
+
+# ---------------------------------------------------------------------------------------------------- formats
+
+
+def test_imagefolder_with_string_labels_and_save_to_disk(tmp_path):
+    for split, per_class in (("train", 6), ("test", 2)):
+        for label in ("zebra", "apple", "mango"):
+            folder = tmp_path / "tree" / split / label
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                PILImage.fromarray(np.full((10, 12, 3), i * 20, np.uint8)).save(folder / f"{i}.png")
+    loaded = load_splits(data_args(tmp_path / "tree"))
+    assert loaded.label_names == ["apple", "mango", "zebra"]  # imagefolder's sorted ClassLabel
+    assert len(loaded.test) == 6
+
+    # a save_to_disk folder with plain string labels: sorted, deterministic mapping
+    ds = DatasetDict(train=tiny_split(["b", "a", "c", "a", "b", "c"] * 4), test=tiny_split(["c", "a"]))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    loaded = load_splits(data_args(tmp_path / "saved"))
+    assert loaded.label_names == ["a", "b", "c"] and loaded.label_source == "sorted values"
+    assert loaded.test["labels"] == [2, 0]
+
+    # an arrow file, integer labels without ClassLabel
+    ds = Dataset.from_dict({"img": [png(np.zeros((4, 4, 3), np.uint8))] * 8, "target": [7, 3, 7, 3, 9, 9, 3, 7]},
+                           features=Features({"img": Image(), "target": Value("int64")}))
+    ds.to_parquet(str(tmp_path / "one.parquet"))
+    loaded = load_splits(data_args(tmp_path / "one.parquet", validation_split_percentage=0.4))
+    assert loaded.label_names == ["3", "7", "9"]
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+def save(tmp_path, **splits) -> Path:
+    DatasetDict(splits).save_to_disk(str(tmp_path / "ds"))
+    return tmp_path / "ds"
+
+
+def test_missing_columns_list_what_there_is(tmp_path):
+    path = save(tmp_path, train=tiny_split(["a", "b"] * 4))
+    with pytest.raises(RecipeError, match="label column 'y_true' not found; columns are: image, label"):
+        load_splits(data_args(path, label_column_name="y_true"))
+    path = save(tmp_path, train=Dataset.from_dict({"foo": [1, 2], "bar": ["x", "y"]}))
+    with pytest.raises(RecipeError, match="no image column found; columns are: foo, bar"):
+        load_splits(data_args(path))
+
+
+def test_missing_split_and_empty_split(tmp_path):
+    path = save(tmp_path, train=tiny_split(["a", "b"] * 4), test=tiny_split(["a"]))
+    with pytest.raises(RecipeError, match="validation split 'dev2' does not exist; splits are: train, test"):
+        load_splits(data_args(path, validation_split_name="dev2"))
+    path = tmp_path / "pq"
+    for name, split in (("train", tiny_split(["a", "b"] * 4)), ("test", tiny_split([]))):
+        split.to_parquet(str(path / f"{name}.parquet"))
+    with pytest.raises(RecipeError, match="split 'test' is empty"):
+        load_splits(data_args(path))
+
+
+def test_labels_out_of_range_and_mixed_types(tmp_path):
+    feature = ClassLabel(names=["a", "b"])
+    bad = Dataset.from_dict({"image": [png(np.zeros((4, 4, 3), np.uint8))] * 3, "label": [0, 1, -1]},
+                            features=Features({"image": Image(), "label": Value("int64")}))
+    path = save(tmp_path, train=tiny_split([0, 1] * 4, feature=feature), test=bad.cast_column("label", feature))
+    with pytest.raises(RecipeError, match="split 'test' has label -1 outside 0..1"):
+        load_splits(data_args(path))
+    ints = Dataset.from_dict({"image": [png(np.zeros((4, 4, 3), np.uint8))] * 2, "label": [0, 1]},
+                             features=Features({"image": Image(), "label": Value("int64")}))
+    path = save(tmp_path, train=tiny_split(["a", "b"] * 4), test=ints)
+    with pytest.raises(RecipeError, match="mixed types across splits"):
+        load_splits(data_args(path))
+
+
+# ---------------------------------------------------------------------------------------------------- decoding
+
+
+def mode_images() -> dict[str, PILImage.Image]:
+    rgb = np.random.default_rng(0).integers(0, 256, (12, 10, 3), dtype=np.uint8)
+    base = PILImage.fromarray(rgb)
+    rgba = base.convert("RGBA")
+    rgba.putalpha(128)
+    wide = np.linspace(0, 65535, 120, dtype=np.uint16).reshape(12, 10)
+    return {"RGB": base, "L": base.convert("L"), "LA": base.convert("LA"), "P": base.convert("P"),
+            "RGBA": rgba, "CMYK": base.convert("CMYK"), "I;16": PILImage.fromarray(wide)}
+
+
+def test_every_pil_mode_decodes_to_rgb_uint8():
+    from vit_recipes.images import decode_to_chw, to_rgb
+
+    for mode, image in mode_images().items():
+        assert image.mode == mode
+        buffer = io.BytesIO()
+        image.save(buffer, format="TIFF" if mode in ("CMYK", "I;16") else "PNG")
+        array = decode_to_chw({"bytes": buffer.getvalue(), "path": None}, 16, 16)
+        assert array.shape == (3, 16, 16) and array.dtype == np.uint8, mode
+    # 16-bit greyscale is rescaled, not clipped to white
+    grey = np.asarray(to_rgb(mode_images()["I;16"]))
+    assert grey.min() == 0 and grey.max() == 255 and 100 < grey.mean() < 155
+    # transparency is composited on white, like transformers' convert_to_rgb
+    clear = PILImage.new("RGBA", (4, 4), (0, 0, 0, 0))
+    assert np.asarray(to_rgb(clear)).min() == 255
+
+
+def test_corrupt_images_are_skipped_counted_and_reported(tmp_path):
+    good = png(np.full((8, 8, 3), 100, np.uint8))
+    split = Dataset.from_dict(
+        {"image": [{"bytes": good, "path": None}, {"bytes": b"not an image", "path": None},
+                   {"bytes": good, "path": None}, {"bytes": good[:40], "path": None}],
+         "labels": [0, 1, 0, 1]},
+        features=Features({"image": Image(decode=False), "labels": ClassLabel(names=["a", "b"])}),
+    )
+    splits = data_module.ImageSplits(split, None, None, "image", ["a", "b"], "ClassLabel")
+    decoded = decode_splits(splits, image_size=8)
+    assert len(decoded.train) == 2 and decoded.skipped == {"train": [1, 3]}
+    data_module.write_skipped(decoded, str(tmp_path))
+    assert (tmp_path / "skipped_images.json").read_text().replace(" ", "").replace("\n", "") == '{"train":[1,3]}'
+    broken = split.select([1, 3])
+    with pytest.raises(RecipeError, match="every image in split 'train' is corrupt"):
+        decode_splits(data_module.ImageSplits(broken, None, None, "image", ["a", "b"], "ClassLabel"), 8)
+
+
+def test_storage_shape_native_for_small_square_otherwise_256():
+    small = Dataset.from_dict({"image": [{"bytes": png(np.zeros((32, 32, 3), np.uint8)), "path": None}] * 3},
+                              features=Features({"image": Image(decode=False)}))
+    assert storage_shape_for(small, "image", 224, None) == (32, 32)
+    mixed = Dataset.from_dict({"image": [{"bytes": png(np.zeros((h, 300, 3), np.uint8)), "path": None}
+                                         for h in (280, 500)]}, features=Features({"image": Image(decode=False)}))
+    assert storage_shape_for(mixed, "image", 224, None) == (256, 256)
+    assert storage_shape_for(mixed, "image", 224, 128) == (128, 128)
+
+
+def test_collator_delivers_uint8_batches(cifar_like):
+    loaded = load_splits(data_args(cifar_like, max_train_samples=8))
+    decoded = decode_splits(loaded, image_size=224)
+    assert decoded.storage_shape == (32, 32)
+    batch = PixelCollator(decoded.storage_shape)([decoded.train[i] for i in range(8)])
+    assert batch["pixel_values"].shape == (8, 3, 32, 32)
+    assert str(batch["pixel_values"].dtype) == "torch.uint8"
+    assert batch["labels"].tolist() == decoded.train["labels"][:8]
+
+
+def test_predict_folder_listing(tmp_path):
+    (tmp_path / "sub").mkdir()
+    PILImage.fromarray(np.zeros((5, 5, 3), np.uint8)).save(tmp_path / "sub" / "a.png")
+    PILImage.fromarray(np.zeros((5, 5, 3), np.uint8)).save(tmp_path / "b.jpg")
+    (tmp_path / "notes.txt").write_text("not an image")
+    listing = load_image_folder(str(tmp_path))
+    assert listing["file"] == ["b.jpg", "sub/a.png"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecipeError, match="no images"):
+        load_image_folder(str(tmp_path / "empty"))

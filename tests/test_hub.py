@@ -1,0 +1,214 @@
+import json
+import types
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from huggingface_hub import ModelCard, metadata_load
+from huggingface_hub.errors import OfflineModeIsEnabled
+
+from vit_recipes.errors import RecipeError
+from vit_recipes.hub import (
+    CardInfo,
+    build_model_card,
+    check_push_ready,
+    distributed_strategy,
+    hardware_description,
+    hub_error_message,
+    write_model_card,
+)
+
+FAKE_TOKEN = "hf_abcdefghijklmnopqrstuvwx"
+ENV_TOKEN = "hf_ZYXWVUTSRQPONMLKJIHGFEDCBA0123"
+ACCELERATE_VARS = (
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "ACCELERATE_USE_FSDP",
+)
+
+
+@pytest.fixture(autouse=True)
+def isolated_hub(monkeypatch, tmp_path):
+    """No token, no offline mode and no accelerate launcher variables leak in from the machine running the tests."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ACCELERATE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    # huggingface_hub resolves these paths at import, so HF_HOME alone would not hide a stored login.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf_home" / "stored"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+def push_args(push=True, token=None):
+    return types.SimpleNamespace(push_to_hub=push, hub_token=token)
+
+
+def test_check_push_ready_without_token_raises():
+    assert huggingface_hub.get_token() is None
+    with pytest.raises(RecipeError, match="hf auth login") as info:
+        check_push_ready(push_args())
+    assert "\n" not in str(info.value) and "HF_TOKEN" in str(info.value)
+
+
+def test_check_push_ready_passes_with_token(monkeypatch):
+    check_push_ready(push_args(token=FAKE_TOKEN))
+    monkeypatch.setenv("HF_TOKEN", ENV_TOKEN)
+    check_push_ready(push_args())
+
+
+def test_check_push_ready_ignores_runs_without_push():
+    check_push_ready(push_args(push=False))
+
+
+def test_check_push_ready_refuses_offline(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", ENV_TOKEN)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RecipeError, match="HF_HUB_OFFLINE"):
+        check_push_ready(push_args())
+
+
+def strategy_args(deepspeed=None, fsdp="", world_size=1):
+    return types.SimpleNamespace(deepspeed=deepspeed, fsdp=fsdp, world_size=world_size)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_strategy_deepspeed_dict(stage):
+    config = {"zero_optimization": {"stage": stage}, "train_batch_size": "auto"}
+    assert distributed_strategy(strategy_args(deepspeed=config, world_size=2)) == f"deepspeed-zero{stage}"
+
+
+def test_strategy_deepspeed_json_file(tmp_path):
+    path = tmp_path / "ds_zero3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    assert distributed_strategy(strategy_args(deepspeed=str(path))) == "deepspeed-zero3"
+
+
+def test_strategy_from_accelerate_env(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert distributed_strategy(strategy_args(world_size=4)) == "deepspeed-zero2"
+
+
+def test_strategy_fsdp_ddp_single(monkeypatch):
+    assert distributed_strategy(strategy_args(fsdp=["full_shard", "auto_wrap"], world_size=2)) == "fsdp"
+    assert distributed_strategy(strategy_args(world_size=2)) == "ddp"
+    assert distributed_strategy(strategy_args()) == "single-device"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert distributed_strategy(strategy_args(world_size=2)) == "fsdp"
+
+
+def test_hardware_description_is_one_short_line():
+    text = hardware_description()
+    assert text and "\n" not in text and ("x" in text or text.startswith("CPU"))
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/models: offline mode is enabled."),
+        ConnectionError("[Errno -3] Temporary failure in name resolution"),
+    ],
+)
+def test_hub_error_message_offline(err):
+    message = hub_error_message(err, "push the model", local_path="outputs/vit-cifar100")
+    assert "\n" not in message
+    assert message.startswith("could not reach the Hugging Face Hub to push the model")
+    assert "outputs/vit-cifar100" in message and "offline" in message and "make demo" in message
+
+
+def test_hub_error_message_wrapped_by_transformers():
+    try:
+        try:
+            raise OfflineModeIsEnabled("offline mode is enabled")
+        except OfflineModeIsEnabled as inner:
+            raise OSError("We couldn't load google/vit-base-patch16-224-in21k.\nCheck your connection.") from inner
+    except OSError as err:
+        message = hub_error_message(err, "download google/vit-base-patch16-224-in21k")
+    assert "\n" not in message and "could not reach" in message and "make demo" in message
+
+
+PER_CLASS = "| Class | Precision | Recall | F1 | Support |\n|---|---|---|---|---|\n| apple | 0.9 | 0.8 | 0.85 | 100 |"
+
+
+def card_info(**overrides) -> CardInfo:
+    values = dict(
+        model_name="vit-base-cifar100",
+        base_model="google/vit-base-patch16-224-in21k",
+        base_model_source="google/vit-base-patch16-224-in21k",
+        dataset_id="uoft-cs/cifar100",
+        dataset_is_hub=True,
+        label_names=["apple", "aquarium_fish", "baby"],
+        validation_metrics={"eval_accuracy": 0.91, "eval_top5_accuracy": 0.99, "eval_f1_macro": 0.9, "eval_loss": 0.4},
+        test_metrics={
+            "test_accuracy": 0.9012,
+            "test_top5_accuracy": 0.985,
+            "test_f1_macro": 0.8975,
+            "test_runtime": 3,
+        },
+        hyperparameters={"learning_rate": 5e-5, "per_device_train_batch_size": 64, "num_train_epochs": 3},
+        command=f"accelerate launch run_image_classification.py --config recipes/cifar100.yaml --hub_token {FAKE_TOKEN}",
+        recipe="recipes/cifar100.yaml",
+        recipe_text="dataset_name: cifar100\nlearning_rate: 5.0e-5\n",
+        strategy="deepspeed-zero3",
+        hardware="2 x NVIDIA H200",
+        throughput=1234.5,
+        per_class_markdown=PER_CLASS,
+        confusion_matrix_file="confusion_matrix_test.png",
+        extra_tags=["cifar100"],
+    )
+    values.update(overrides)
+    return CardInfo(**values)
+
+
+def test_model_card_round_trip(tmp_path):
+    path = write_model_card(card_info(), str(tmp_path / "out"))
+    card = ModelCard.load(path)
+    data = card.data
+    assert data.base_model == "google/vit-base-patch16-224-in21k"
+    assert data.datasets == ["uoft-cs/cifar100"]
+    assert data.license == "apache-2.0" and data.pipeline_tag == "image-classification"
+    assert data.library_name == "transformers"
+    assert {"image-classification", "vision", "vit", "deepspeed-zero3", "cifar100"} <= set(data.tags)
+    assert {"accuracy", "f1"} <= set(data.metrics)
+
+    results = {r.metric_type: r for r in data.eval_results}
+    assert results["accuracy"].metric_value == 0.9012
+    assert results["top_5_accuracy"].metric_value == 0.985
+    assert results["f1"].metric_value == 0.8975
+    for result in data.eval_results:
+        assert result.dataset_split == "test" and result.dataset_type == "uoft-cs/cifar100"
+        assert result.task_type == "image-classification"
+    assert metadata_load(path)["model-index"][0]["name"] == "vit-base-cifar100"
+
+    body = card.text
+    assert "accelerate launch run_image_classification.py --config recipes/cifar100.yaml" in body
+    assert PER_CLASS in body and "![Confusion matrix](confusion_matrix_test.png)" in body
+    assert "```yaml\ndataset_name: cifar100" in body and "1,234.5 images/s" in body
+    assert 'pipeline("image-classification", model="vit-base-cifar100")' in body
+    assert "90.12%" in body  # test accuracy in the summary
+
+
+def test_model_card_without_test_split_reports_validation(tmp_path):
+    card = build_model_card(card_info(test_metrics={}))
+    assert {r.dataset_split for r in card.data.eval_results} == {"validation"}
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results}["accuracy"] == 0.91
+    assert "no test split" in card.text.lower()
+
+
+def test_model_card_from_scratch_and_local_dataset(tmp_path):
+    info = card_info(base_model=None, base_model_source=None, dataset_id="/data/my_images", dataset_is_hub=False)
+    path = write_model_card(info, str(tmp_path))
+    meta = metadata_load(path)
+    assert "base_model" not in meta and "datasets" not in meta
+    assert "trained from scratch" in ModelCard.load(path).text
+
+
+def test_model_card_never_contains_a_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", ENV_TOKEN)
+    info = card_info(hyperparameters={"hub_token": ENV_TOKEN}, recipe_text=f"hub_token: {ENV_TOKEN}\n")
+    text = Path(write_model_card(info, str(tmp_path))).read_text(encoding="utf-8")
+    assert FAKE_TOKEN not in text and ENV_TOKEN not in text and "<redacted>" in text
+    ModelCard.load(tmp_path / "README.md")  # still valid after redaction
