@@ -1,0 +1,114 @@
+"""Image-classification metrics from logits: accuracy, top-k accuracy and macro F1/precision/recall.
+
+A local `evaluate` module so that evaluation works offline (`evaluate.load("accuracy")` needs the Hub).
+It is loaded by path, so it must stay self-contained: evaluate copies this one file into its module cache.
+Numpy only; the macro averages match scikit-learn's defaults (labels=None, zero_division=0).
+"""
+
+import datasets
+import evaluate
+import numpy as np
+
+_DESCRIPTION = """\
+Classification metrics computed from per-class scores (logits or probabilities):
+- accuracy: fraction of samples whose highest-scoring class is the reference class;
+- top{k}_accuracy: fraction of samples whose reference class is among the k highest scores, with
+  k = min(top_k, num_classes) (so it is 1.0 when there are no more than k classes);
+- f1_macro, precision_macro, recall_macro: unweighted means over the classes present in the references
+  or the predictions, as scikit-learn's `average="macro"` with `zero_division=0` (a class never predicted
+  has precision 0, a class never referenced has recall 0).
+"""
+
+_KWARGS_DESCRIPTION = """
+Args:
+    predictions (`list` of `list` of `float`): per-class scores, one row of num_classes scores per sample.
+    references (`list` of `int`): reference class ids, in [0, num_classes).
+    top_k (`int`, defaults to 5): k of the top-k accuracy; the result key is f"top{top_k}_accuracy".
+Returns:
+    accuracy, top{top_k}_accuracy, f1_macro, precision_macro, recall_macro (`float`, in [0, 1]).
+Examples:
+    >>> metric = evaluate.load("path/to/metric/classification")
+    >>> metric.compute(predictions=[[0.1, 0.9], [0.8, 0.2]], references=[1, 1], top_k=1)
+    {'accuracy': 0.5, 'top1_accuracy': 0.5, 'f1_macro': 0.333..., 'precision_macro': 0.5, 'recall_macro': 0.25}
+"""
+
+_CITATION = """\
+@article{scikit-learn,
+  title={Scikit-learn: Machine Learning in {P}ython},
+  author={Pedregosa, F. and Varoquaux, G. and Gramfort, A. and Michel, V. and Thirion, B. and Grisel, O.
+          and Blondel, M. and Prettenhofer, P. and Weiss, R. and Dubourg, V. and Vanderplas, J. and Passos, A.
+          and Cournapeau, D. and Brucher, M. and Perrot, M. and Duchesnay, E.},
+  journal={Journal of Machine Learning Research},
+  volume={12},
+  pages={2825--2830},
+  year={2011}
+}
+"""
+
+
+def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """numerator / denominator, 0 where the denominator is 0 (scikit-learn's zero_division=0)."""
+    out = np.zeros(numerator.shape, dtype=np.float64)
+    np.divide(numerator, denominator, out=out, where=denominator > 0)
+    return out
+
+
+def _top_k_accuracy(scores: np.ndarray, references: np.ndarray, k: int) -> float:
+    # Rank of the reference class without sorting (O(N*K), not O(N*K*log K)). Ties rank the higher class id
+    # first, as the reversed stable argsort of sklearn.metrics.top_k_accuracy_score does.
+    reference_scores = scores[np.arange(len(scores)), references][:, None]
+    later_class = np.arange(scores.shape[1]) > references[:, None]
+    rank = (scores > reference_scores).sum(1) + ((scores == reference_scores) & later_class).sum(1)
+    return float((rank < k).mean())
+
+
+def _macro_scores(references: np.ndarray, predicted: np.ndarray, num_classes: int) -> dict[str, float]:
+    confusion = np.bincount(references * num_classes + predicted, minlength=num_classes**2)
+    confusion = confusion.reshape(num_classes, num_classes)
+    true_positives, support, predicted_count = np.diag(confusion), confusion.sum(1), confusion.sum(0)
+    # Average over the classes seen in references or predictions only, as sklearn does with labels=None.
+    seen = (support + predicted_count) > 0
+    precision = _safe_divide(true_positives, predicted_count)[seen]
+    recall = _safe_divide(true_positives, support)[seen]
+    f1 = _safe_divide(2 * true_positives, support + predicted_count)[seen]
+    return {
+        "f1_macro": float(f1.mean()),
+        "precision_macro": float(precision.mean()),
+        "recall_macro": float(recall.mean()),
+    }
+
+
+@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
+class Classification(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION,
+            citation=_CITATION,
+            inputs_description=_KWARGS_DESCRIPTION,
+            features=datasets.Features(
+                {"predictions": datasets.Sequence(datasets.Value("float32")), "references": datasets.Value("int64")}
+            ),
+            reference_urls=["https://scikit-learn.org/stable/modules/model_evaluation.html"],
+        )
+
+    def _compute(self, predictions, references, top_k: int = 5):
+        scores = np.asarray(predictions, dtype=np.float64)
+        references = np.asarray(references, dtype=np.int64)
+        if scores.ndim != 2 or len(scores) == 0 or len(scores) != len(references):
+            raise ValueError(
+                f"Expected one row of class scores per reference, got predictions of shape {scores.shape} "
+                f"and {len(references)} references."
+            )
+        num_classes = scores.shape[1]
+        if references.min() < 0 or references.max() >= num_classes:
+            raise ValueError(
+                f"References must be class ids in [0, {num_classes}), got {references.min()}..{references.max()}."
+            )
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}.")
+        predicted = scores.argmax(axis=1)
+        return {
+            "accuracy": float((predicted == references).mean()),
+            f"top{top_k}_accuracy": _top_k_accuracy(scores, references, min(top_k, num_classes)),
+            **_macro_scores(references, predicted, num_classes),
+        }

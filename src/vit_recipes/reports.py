@@ -1,0 +1,167 @@
+"""End-of-run reports: confusion matrix (PNG) and per-class accuracy (CSV + markdown best/worst tables)."""
+
+import csv
+import math
+import os
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+CSV_FIELDS = ("class_id", "label", "support", "correct", "accuracy")
+MAX_LABELLED_CLASSES = 120  # beyond this, label every n-th class so tick labels never overlap
+MAX_ANNOTATED_CLASSES = 20  # cell counts are only legible on small matrices
+
+
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
+    """Counts of (true class, predicted class) pairs: rows are true classes, columns predictions."""
+    labels, predictions = np.asarray(labels, dtype=np.int64), np.asarray(predictions, dtype=np.int64)
+    for name, ids in (("labels", labels), ("predictions", predictions)):
+        if ids.size and (ids.min() < 0 or ids.max() >= num_classes):
+            raise ValueError(f"{name} must be class ids in [0, {num_classes}), got {ids.min()}..{ids.max()}.")
+    flat = np.bincount(labels * num_classes + predictions, minlength=num_classes * num_classes)
+    return flat.reshape(num_classes, num_classes)
+
+
+def per_class_accuracy(labels: np.ndarray, predictions: np.ndarray, label_names: list[str]) -> list[dict]:
+    """One row per class in id order; accuracy is None for a class with no samples in this split."""
+    matrix = confusion_matrix(labels, predictions, len(label_names))
+    support, correct = matrix.sum(1), np.diag(matrix)
+    return [
+        {
+            "class_id": i,
+            "label": name,
+            "support": int(support[i]),
+            "correct": int(correct[i]),
+            "accuracy": float(correct[i] / support[i]) if support[i] else None,
+        }
+        for i, name in enumerate(label_names)
+    ]
+
+
+def _figure_layout(num_classes: int, num_ticks: int) -> tuple[float, float]:
+    """(figure side in inches, tick font size in points): the figure grows with the class count (capped, so
+    files stay a few MB) and the font fills about half of each labelled row, so 100+ classes stay readable."""
+    side = min(22.0, max(7.0, 3.0 + 0.18 * num_classes))
+    font = min(10.0, max(5.0, 800 / max(num_ticks, 1)))
+    return side, font
+
+
+def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str, title: str = "") -> str:
+    """Save a row-normalised confusion matrix as a PNG and return its path.
+
+    Colours are the fraction of each true class (so rare classes are as visible as common ones); raw counts
+    are written in the cells for small matrices. Uses a bare Figure on the Agg canvas: no pyplot global state,
+    so it neither needs a display nor disturbs an interactive session.
+    """
+    matrix = np.asarray(matrix)
+    num_classes = len(label_names)
+    rows = matrix.sum(1, keepdims=True)
+    normalised = np.divide(matrix, rows, out=np.zeros(matrix.shape), where=rows > 0)
+    ticks = np.arange(0, num_classes, max(1, math.ceil(num_classes / MAX_LABELLED_CLASSES)))
+    side, font = _figure_layout(num_classes, len(ticks))
+    fig = Figure(figsize=(side + 1, side), dpi=100)  # extra width for the colourbar
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(normalised, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    # An inset colourbar is exactly as tall as the (square) matrix, whatever the figure size.
+    fig.colorbar(image, cax=ax.inset_axes([1.02, 0, 0.025, 1])).set_label("fraction of true class")
+    names = [_shorten(label_names[i]) for i in ticks]
+    ax.set_xticks(ticks, names, rotation=90, fontsize=font)
+    ax.set_yticks(ticks, names, fontsize=font)
+    ax.set_xlabel("Predicted class")
+    ax.set_ylabel("True class")
+    if title:
+        ax.set_title(title)
+    if num_classes <= MAX_ANNOTATED_CLASSES:
+        _annotate(ax, matrix, normalised, side)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _shorten(name: str, limit: int = 24) -> str:
+    # Cut the middle: the ends of long names (e.g. "n01440764_tench") tell classes apart best.
+    name = str(name)
+    return name if len(name) <= limit else name[: limit // 2 - 1] + "…" + name[-(limit // 2) :]
+
+
+def _annotate(ax, matrix: np.ndarray, normalised: np.ndarray, side: float) -> None:
+    # Size the counts to fit their cells (the matrix spans ~70% of the figure side; 72 points per inch).
+    cell = 0.7 * side * 72 / len(matrix)
+    font = min(10.0, max(4.0, 1.2 * cell / max(2, len(str(matrix.max())))))
+    for (i, j), count in np.ndenumerate(matrix):
+        if count:  # empty cells stay blank to keep the plot quiet
+            colour = "white" if normalised[i, j] > 0.5 else "black"
+            ax.text(j, i, str(count), ha="center", va="center", fontsize=font, color=colour)
+
+
+def write_per_class_csv(rows: list[dict], path: str) -> str:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            accuracy = "" if row["accuracy"] is None else f"{row['accuracy']:.6f}"
+            writer.writerow({**row, "accuracy": accuracy})
+    return path
+
+
+def _markdown_table(rows: list[dict]) -> list[str]:
+    lines = ["| Class | Accuracy | Support |", "|---|---:|---:|"]
+    for row in rows:
+        label = str(row["label"]).replace("|", "\\|")  # a pipe in a name would split the cell
+        lines.append(f"| {label} | {row['accuracy']:.2%} | {row['support']} |")
+    return lines
+
+
+def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
+    """Markdown with the best and worst top_n classes by accuracy (ties by class id), or all when few."""
+    scored = [row for row in rows if row["accuracy"] is not None]
+    best = sorted(scored, key=lambda row: (-row["accuracy"], row["class_id"]))
+    total, correct = sum(row["support"] for row in rows), sum(row["correct"] for row in rows)
+    overall = f"{correct / total:.2%}" if total else "n/a"
+    lines = [f"## Per-class accuracy ({split})", "", f"Accuracy {overall} on {total} samples, {len(rows)} classes."]
+    if len(scored) < len(rows):
+        lines.append(f"{len(rows) - len(scored)} classes have no samples in this split and are not ranked.")
+    if len(scored) <= 2 * top_n:  # best and worst tables would overlap
+        sections = [("All classes, best first", best)]
+    else:
+        worst = sorted(scored, key=lambda row: (row["accuracy"], row["class_id"]))
+        sections = [(f"Best {top_n} classes", best[:top_n]), (f"Worst {top_n} classes", worst[:top_n])]
+    for heading, section in sections:
+        lines += ["", f"### {heading}", "", *_markdown_table(section)]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(
+    logits: np.ndarray,
+    labels: np.ndarray,
+    label_names: list[str],
+    output_dir: str,
+    split: str = "test",
+    top_n: int = 10,
+) -> dict:
+    """Write the confusion matrix PNG and per-class accuracy CSV/markdown for one split; return their paths."""
+    logits, labels = np.asarray(logits), np.asarray(labels).reshape(-1)
+    if logits.ndim != 2 or logits.shape != (len(labels), len(label_names)):
+        raise ValueError(
+            f"Expected logits of shape (num_samples, num_classes) = ({len(labels)}, {len(label_names)}), "
+            f"got {logits.shape}."
+        )
+    os.makedirs(output_dir, exist_ok=True)
+    predictions = logits.argmax(1)
+    rows = per_class_accuracy(labels, predictions, label_names)
+    markdown = per_class_markdown(rows, split, top_n)
+    matrix = confusion_matrix(labels, predictions, len(label_names))
+    accuracy = float((predictions == labels).mean()) if len(labels) else 0.0
+    png = os.path.join(output_dir, f"confusion_matrix_{split}.png")
+    plot_confusion_matrix(matrix, label_names, png, title=f"Confusion matrix ({split}, accuracy {accuracy:.2%})")
+    markdown_path = os.path.join(output_dir, f"per_class_accuracy_{split}.md")
+    with open(markdown_path, "w", encoding="utf-8") as f:
+        f.write(markdown)
+    return {
+        "confusion_matrix": png,
+        "per_class_csv": write_per_class_csv(rows, os.path.join(output_dir, f"per_class_accuracy_{split}.csv")),
+        "per_class_markdown": markdown_path,
+        "markdown": markdown,
+    }

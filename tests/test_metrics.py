@@ -1,0 +1,121 @@
+import os
+import socket
+import warnings
+
+import evaluate
+import huggingface_hub
+import numpy as np
+import pytest
+from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score, top_k_accuracy_score
+from transformers import EvalPrediction
+
+from vit_recipes.metrics import METRIC_PATH, load_metric, make_compute_metrics
+
+EXACT = {"abs": 1e-9, "rel": 0}
+
+
+@pytest.fixture(scope="module")
+def metric():
+    return load_metric()
+
+
+def sklearn_scores(logits: np.ndarray, labels: np.ndarray, top_k: int) -> dict[str, float]:
+    predicted, num_classes = logits.argmax(1), logits.shape[1]
+    with warnings.catch_warnings():  # sklearn warns that k >= num_classes is a perfect score
+        warnings.simplefilter("ignore")
+        top = top_k_accuracy_score(labels, logits, k=min(top_k, num_classes), labels=range(num_classes))
+    macro = {"average": "macro", "zero_division": 0}
+    return {
+        "accuracy": accuracy_score(labels, predicted),
+        f"top{top_k}_accuracy": top,
+        "f1_macro": f1_score(labels, predicted, **macro),
+        "precision_macro": precision_score(labels, predicted, **macro),
+        "recall_macro": recall_score(labels, predicted, **macro),
+    }
+
+
+def hard_case(seed: int, num_classes: int, size: int):
+    """Informative logits where class 0 is never predicted, class 1 is predicted but never a reference and,
+    with enough classes, the last class is neither (macro averages must skip it, as sklearn does)."""
+    rng = np.random.default_rng(seed)
+    skipped = {1, num_classes - 1} if num_classes > 3 else {1}
+    labels = rng.choice([c for c in range(num_classes) if c not in skipped], size=size)
+    logits = rng.normal(size=(size, num_classes)).astype(np.float32)
+    logits[np.arange(size), labels] += 1.5
+    logits[:, sorted(skipped - {1}) + [0]] = -1e4
+    logits[: size // 10, 1] = 1e4
+    predicted = logits.argmax(1)
+    assert 0 in labels and 0 not in predicted and 1 in predicted and 1 not in labels
+    return logits, labels
+
+
+@pytest.mark.parametrize("num_classes,size", [(3, 60), (100, 400)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("top_k", [1, 5])
+def test_matches_sklearn(metric, seed, num_classes, size, top_k):
+    logits, labels = hard_case(seed, num_classes, size)
+    result = metric.compute(predictions=logits, references=labels, top_k=top_k)
+    expected = sklearn_scores(logits, labels, top_k)
+    assert set(result) == set(expected)
+    for name, value in expected.items():
+        assert isinstance(result[name], float)
+        assert result[name] == pytest.approx(value, **EXACT), name
+    assert 0 < result["accuracy"] < 1
+
+
+def test_default_top5_and_small_class_count(metric):
+    logits, labels = hard_case(0, 3, 30)
+    result = metric.compute(predictions=logits, references=labels)
+    assert result["top5_accuracy"] == 1.0  # k is capped at the 3 classes
+
+
+def test_top_k_ties_break_like_sklearn(metric):
+    rng = np.random.default_rng(0)
+    logits, labels = rng.integers(0, 3, size=(500, 10)).astype(np.float32), rng.integers(0, 10, size=500)
+    for k in (1, 2, 5):
+        result = metric.compute(predictions=logits, references=labels, top_k=k)
+        assert result[f"top{k}_accuracy"] == pytest.approx(
+            sklearn_scores(logits, labels, k)[f"top{k}_accuracy"], **EXACT
+        )
+
+
+def test_hand_computed(metric):
+    # Class 0: predicted once, never right, no support. Class 1: support 2, predicted once, right once.
+    result = metric.compute(predictions=[[0.1, 0.9], [0.8, 0.2]], references=[1, 1], top_k=1)
+    assert result == pytest.approx(
+        {"accuracy": 0.5, "top1_accuracy": 0.5, "precision_macro": 0.5, "recall_macro": 0.25, "f1_macro": 1 / 3},
+        **EXACT,
+    )
+
+
+@pytest.mark.parametrize("references", [[0, 3], [-1, 0]])
+def test_rejects_out_of_range_references(metric, references):
+    with pytest.raises(ValueError, match="class ids"):
+        metric.compute(predictions=[[0.1, 0.5, 0.4], [0.3, 0.3, 0.4]], references=references)
+
+
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_make_compute_metrics(metric, as_tuple):
+    logits, labels = hard_case(3, 100, 300)
+    predictions = (logits, np.zeros((300, 4, 8))) if as_tuple else logits
+    result = make_compute_metrics(metric)(EvalPrediction(predictions=predictions, label_ids=labels))
+    assert result == pytest.approx(sklearn_scores(logits, labels, 5), **EXACT)
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_loads_by_path_without_network(monkeypatch, offline):
+    # evaluate reads the offline variables at import time, so set its copies; either way no socket may open.
+    monkeypatch.setattr(evaluate.config, "HF_EVALUATE_OFFLINE", offline)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+    assert os.path.isfile(os.path.join(METRIC_PATH, "classification.py"))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    metric = load_metric()
+    assert metric.name == "classification"
+    compute_metrics = make_compute_metrics()
+    result = compute_metrics(EvalPrediction(predictions=np.eye(3, dtype=np.float32), label_ids=np.array([0, 1, 1])))
+    assert result["accuracy"] == pytest.approx(2 / 3)
