@@ -1,0 +1,472 @@
+"""Batched image transforms that run on the training device.
+
+The DataLoader delivers uint8 (B, 3, H, W) tensors at a storage resolution (see data.py). The modules here turn a
+whole batch at once into float32 (B, 3, S, S) model inputs, normalised with the image processor's mean/std.
+
+Train: random-resized crop (torchvision's sampling) and horizontal flip are one per-sample affine map, sampled
+with a single bilinear `grid_sample` straight from storage to S x S, so CIFAR's 32 -> 224 upsample costs nothing
+extra. Optionally RandAugment or TrivialAugmentWide follows, with torchvision's op set and magnitude ranges: each
+sample draws its own op, and each op runs batched on the samples that drew it. Ops work on 0..255 floats; the
+ones defined on uint8 levels (posterize, equalize) round first. Geometric ops are a second bilinear
+`grid_sample` filling with black, like torchvision's fill=0 (torchvision defaults to nearest; bilinear is smoother
+and the difference is sub-pixel). All randomness comes from torch's global RNG on the input's device, so
+`torch.manual_seed` reproduces it and the Trainer's RNG checkpoints cover it.
+
+Eval: resize the shorter side to round(S / eval_crop_pct), round to integer levels, centre-crop S x S: what the
+saved image processor (BitImageProcessor: PIL bicubic, uint8) does at inference, so evaluation scores carry over.
+
+Interpolation. Eval uses `F.interpolate(mode="bicubic", antialias=True)` because torch's antialiased path is a
+port of PIL's resampler (cubic kernel with a = -0.5, support widened by the scale factor when shrinking); plain
+torch bicubic uses a = -0.75 and aliases when shrinking. Like PIL it runs as two passes, horizontal then vertical,
+each rounded to uint8 levels; then it matches the processor to within 1-2 uint8 levels, mean < 1e-4 in normalised
+units for a 32 -> 224 upsample and a 400x333 -> 224 downsample (tests/test_transforms.py measures it). One fused
+pass leaves ~0.004 mean / ~0.4 max on noisy images, as PIL clips overshoot between its passes.
+Train uses bilinear sampling, torchvision's RandomResizedCrop default. grid_sample cannot antialias, which costs
+little: storage is at most ~1.14x the model size (data.py) and crops only enlarge.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+NUM_MAGNITUDE_BINS = 31  # torchvision's RandAugment/TrivialAugmentWide default: magnitudes 0..30
+GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
+CROP_RATIO = (3 / 4, 4 / 3)
+
+
+class _Normalized(nn.Module):
+    """Holds the image processor's mean/std as buffers, so `.to(device)` moves them."""
+
+    def __init__(self, image_size: int, mean: float | Sequence[float], std: float | Sequence[float]):
+        super().__init__()
+        self.image_size = int(image_size)
+        self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32).reshape(-1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32).reshape(-1, 1, 1), persistent=False)
+
+    def normalize(self, x: Tensor) -> Tensor:
+        """0..255 floats -> (x / 255 - mean) / std."""
+        return (x / 255.0 - self.mean) / self.std
+
+
+# --------------------------------------------------------------------------------------------------- train: crop
+
+
+def sample_crop_flip_theta(
+    batch: int,
+    height: int,
+    width: int,
+    scale: tuple[float, float],
+    hflip_prob: float,
+    device: torch.device | str = "cpu",
+    ratio: tuple[float, float] = CROP_RATIO,
+    attempts: int = 10,
+) -> Tensor:
+    """`affine_grid` thetas (B, 2, 3) of a random-resized crop followed by a horizontal flip, per sample.
+
+    torchvision's sampling, batched: up to `attempts` (area, log-uniform aspect) draws per sample, the first that
+    fits wins; samples where none fits take the largest centre crop with an aspect inside `ratio`. Crop sizes stay
+    continuous (no pixel rounding): the crop is resampled, not sliced. scale[0] >= 1 means the whole image.
+    """
+    u = torch.rand(batch, 2 * attempts + 3, device=device)  # one RNG call for everything
+    u_area, u_aspect, (u_x, u_y, u_flip) = u[:, :attempts], u[:, attempts:-3], u[:, -3:].unbind(1)
+    if scale[0] >= 1:
+        w = torch.full((batch,), float(width), device=device)
+        h = torch.full((batch,), float(height), device=device)
+        x0 = y0 = torch.zeros(batch, device=device)
+    else:
+        area = height * width * (scale[0] + (scale[1] - scale[0]) * u_area)
+        log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+        aspect = torch.exp(log_lo + (log_hi - log_lo) * u_aspect)
+        w_try, h_try = (area * aspect).sqrt(), (area / aspect).sqrt()
+        fits = (w_try <= width) & (h_try <= height)
+        first = fits.int().argmax(1, keepdim=True)  # argmax returns the first maximal index
+        found = fits.any(1)
+        fallback_w, fallback_h = _centre_crop_size(height, width, ratio)
+        w = torch.where(found, w_try.gather(1, first).squeeze(1), fallback_w)
+        h = torch.where(found, h_try.gather(1, first).squeeze(1), fallback_h)
+        x0 = (width - w) * torch.where(found, u_x, 0.5)
+        y0 = (height - h) * torch.where(found, u_y, 0.5)
+    sign = torch.where(u_flip < hflip_prob, -1.0, 1.0)
+    zero = torch.zeros_like(w)
+    # Normalised coords (align_corners=False): the box [x0, x0 + w] maps to [-1, 1]; a flip negates the x scale.
+    rows = [sign * w / width, zero, (2 * x0 + w) / width - 1, zero, h / height, (2 * y0 + h) / height - 1]
+    return torch.stack(rows, 1).view(batch, 2, 3)
+
+
+def _centre_crop_size(height: int, width: int, ratio: tuple[float, float]) -> tuple[float, float]:
+    """torchvision RandomResizedCrop's fallback: the whole image, trimmed to an aspect ratio inside `ratio`."""
+    aspect = width / height
+    if aspect < ratio[0]:
+        return float(width), width / ratio[0]
+    if aspect > ratio[1]:
+        return height * ratio[1], float(height)
+    return float(width), float(height)
+
+
+def resample(x: Tensor, theta: Tensor, size: int, padding_mode: str) -> Tensor:
+    """Bilinear sampling of float images through per-sample affine maps onto a size x size grid."""
+    grid = F.affine_grid(theta.to(x.dtype), [x.shape[0], x.shape[1], size, size], align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode=padding_mode, align_corners=False)
+
+
+# --------------------------------------------------------------------------------------------------- train: ops
+# Each op maps (n, 3, S, S) floats in 0..255 and per-sample magnitudes (n,) to the same shape. Geometric ops follow
+# torchvision's inverse maps (shear about the top-left corner, rotation counter-clockwise about the centre).
+
+
+def _warp(x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, tx: Tensor, ty: Tensor) -> Tensor:
+    """Sample x at [[a, b], [c, d]] @ p + (tx, ty) for each output point p (pixels from the centre); black fill."""
+    half = x.shape[-1] / 2  # square images: normalised coords are pixels / half on both axes
+    theta = torch.stack([a, b, tx / half, c, d, ty / half], 1).view(-1, 2, 3)
+    return resample(x, theta, x.shape[-1], padding_mode="zeros")
+
+
+def shear_x(x: Tensor, m: Tensor) -> Tensor:
+    one, zero = torch.ones_like(m), torch.zeros_like(m)
+    return _warp(x, one, m, zero, one, m * x.shape[-1] / 2, zero)  # x_in = x + m * (y - top)
+
+
+def shear_y(x: Tensor, m: Tensor) -> Tensor:
+    one, zero = torch.ones_like(m), torch.zeros_like(m)
+    return _warp(x, one, zero, m, one, zero, m * x.shape[-1] / 2)  # y_in = y + m * (x - left)
+
+
+def translate_x(x: Tensor, m: Tensor) -> Tensor:
+    one, zero = torch.ones_like(m), torch.zeros_like(m)
+    return _warp(x, one, zero, zero, one, -m.trunc(), zero)  # torchvision shifts by int(magnitude) pixels
+
+
+def translate_y(x: Tensor, m: Tensor) -> Tensor:
+    one, zero = torch.ones_like(m), torch.zeros_like(m)
+    return _warp(x, one, zero, zero, one, zero, -m.trunc())
+
+
+def rotate(x: Tensor, degrees: Tensor) -> Tensor:
+    cos, sin, zero = torch.deg2rad(degrees).cos(), torch.deg2rad(degrees).sin(), torch.zeros_like(degrees)
+    return _warp(x, cos, -sin, sin, cos, zero, zero)
+
+
+def _per_sample(m: Tensor) -> Tensor:
+    return m.view(-1, 1, 1, 1)
+
+
+def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
+    """torchvision/PIL enhance: interpolate (or extrapolate) from a degenerate image towards x."""
+    factor = _per_sample(factor)
+    return (factor * x + (1 - factor) * degenerate).clamp(0, 255)
+
+
+def _grayscale(x: Tensor) -> Tensor:
+    weights = torch.tensor(GRAY_WEIGHTS, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return (x * weights).sum(1, keepdim=True)
+
+
+def identity(x: Tensor, m: Tensor) -> Tensor:
+    return x
+
+
+def brightness(x: Tensor, m: Tensor) -> Tensor:
+    return (x * _per_sample(1 + m)).clamp(0, 255)
+
+
+def color(x: Tensor, m: Tensor) -> Tensor:
+    return _blend(x, _grayscale(x), 1 + m)
+
+
+def contrast(x: Tensor, m: Tensor) -> Tensor:
+    return _blend(x, _grayscale(x).mean((1, 2, 3), keepdim=True), 1 + m)
+
+
+def sharpness(x: Tensor, m: Tensor) -> Tensor:
+    """Blend with PIL's SMOOTH-filtered image; the 1-pixel border keeps the original (as PIL and torchvision)."""
+    n, c, h, w = x.shape
+    kernel = torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]], dtype=x.dtype, device=x.device) / 13
+    smooth = F.conv2d(x.reshape(n * c, 1, h, w), kernel.view(1, 1, 3, 3)).view(n, c, h - 2, w - 2)
+    degenerate = x.clone()
+    degenerate[..., 1:-1, 1:-1] = smooth
+    return _blend(x, degenerate, 1 + m)
+
+
+def _levels(x: Tensor) -> Tensor:
+    """Nearest uint8 level, as float: the ops below are defined on uint8 images."""
+    return x.round().clamp(0, 255)
+
+
+def posterize(x: Tensor, bits: Tensor) -> Tensor:
+    step = _per_sample(2.0 ** (8 - bits.round()))
+    return torch.div(_levels(x), step, rounding_mode="floor") * step  # keeps the top `bits` bits
+
+
+def solarize(x: Tensor, threshold: Tensor) -> Tensor:
+    return torch.where(x >= _per_sample(threshold), 255 - x, x)
+
+
+def autocontrast(x: Tensor, m: Tensor) -> Tensor:
+    """Stretch each channel to 0..255; flat channels are left alone."""
+    lo, hi = x.amin((-2, -1), keepdim=True), x.amax((-2, -1), keepdim=True)
+    flat = hi <= lo
+    scale = torch.where(flat, 1.0, 255 / (hi - lo).clamp(min=1e-6))
+    return ((x - torch.where(flat, 0.0, lo)) * scale).clamp(0, 255)
+
+
+def equalize(x: Tensor, m: Tensor) -> Tensor:
+    """Per-image, per-channel histogram equalisation with PIL.ImageOps.equalize's (= torchvision's) lookup table.
+
+    All histograms come from one bincount over (image, channel, level) ids.
+    """
+    n, c, h, w = x.shape
+    levels = _levels(x).long().view(n * c, h * w)
+    ids = levels + 256 * torch.arange(n * c, device=x.device).unsqueeze(1)
+    hist = torch.bincount(ids.view(-1), minlength=n * c * 256).view(n * c, 256)
+    top_count = hist.gather(1, levels.amax(1, keepdim=True))  # pixels at the brightest level present
+    step = torch.div(h * w - top_count, 255, rounding_mode="floor")
+    below = hist.cumsum(1) - hist  # pixels strictly darker than each level
+    lut = torch.div(step // 2 + below, step.clamp(min=1), rounding_mode="floor").clamp(max=255)
+    lut = torch.where(step > 0, lut, torch.arange(256, device=x.device))  # near-flat channels: unchanged
+    return lut.gather(1, levels).view(n, c, h, w).to(x.dtype)
+
+
+OPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "Identity": identity,
+    "ShearX": shear_x,
+    "ShearY": shear_y,
+    "TranslateX": translate_x,
+    "TranslateY": translate_y,
+    "Rotate": rotate,
+    "Brightness": brightness,
+    "Color": color,
+    "Contrast": contrast,
+    "Sharpness": sharpness,
+    "Posterize": posterize,
+    "Solarize": solarize,
+    "AutoContrast": autocontrast,
+    "Equalize": equalize,
+}
+
+
+def augmentation_space(policy: str, image_size: int, bins: int = NUM_MAGNITUDE_BINS) -> dict[str, tuple[Tensor, bool]]:
+    """op name -> (magnitude per bin, signed), torchvision's RandAugment / TrivialAugmentWide tables."""
+    wide = policy == "trivialaugment"
+    enhance, shear, rotation = (0.99, 0.99, 135.0) if wide else (0.9, 0.3, 30.0)
+    shift = 32.0 if wide else 150.0 / 331.0 * image_size
+    posterize_span = 6 if wide else 4  # bits go 8 -> 2 (wide) or 8 -> 4
+
+    def linear(top: float) -> Tensor:
+        return torch.linspace(0.0, top, bins)
+
+    none = torch.zeros(bins)
+    return {
+        "Identity": (none, False),
+        "ShearX": (linear(shear), True),
+        "ShearY": (linear(shear), True),
+        "TranslateX": (linear(shift), True),
+        "TranslateY": (linear(shift), True),
+        "Rotate": (linear(rotation), True),
+        "Brightness": (linear(enhance), True),
+        "Color": (linear(enhance), True),
+        "Contrast": (linear(enhance), True),
+        "Sharpness": (linear(enhance), True),
+        "Posterize": (8 - (torch.arange(bins) / ((bins - 1) / posterize_span)).round(), False),
+        "Solarize": (torch.linspace(255.0, 0.0, bins), False),
+        "AutoContrast": (none, False),
+        "Equalize": (none, False),
+    }
+
+
+def apply_per_sample_ops(x: Tensor, op_ids: Tensor, magnitudes: Tensor, names: Sequence[str]) -> Tensor:
+    """Apply op names[op_ids[i]] with magnitudes[i] to sample i: one batched call per op, on the samples that drew it."""
+    out = x.clone()
+    for i, name in enumerate(names):
+        if name == "Identity":
+            continue
+        idx = (op_ids == i).nonzero().squeeze(1)
+        if idx.numel():
+            out[idx] = OPS[name](x[idx], magnitudes[idx])
+    return out
+
+
+class RandomOps(nn.Module):
+    """RandAugment (fixed magnitude bin, `num_ops` rounds) or TrivialAugmentWide (one op, uniform bin), per sample."""
+
+    def __init__(self, policy: str, image_size: int, num_ops: int = 2, magnitude: int = 9):
+        super().__init__()
+        if policy not in ("randaugment", "trivialaugment"):
+            raise ValueError(f"unknown auto_augment policy {policy!r}")
+        if not 0 <= magnitude < NUM_MAGNITUDE_BINS:
+            raise ValueError(f"randaugment_magnitude must be in [0, {NUM_MAGNITUDE_BINS - 1}], got {magnitude}")
+        space = augmentation_space(policy, image_size)
+        self.names = list(space)
+        self.uniform_magnitude = policy == "trivialaugment"
+        self.num_ops = 1 if self.uniform_magnitude else int(num_ops)
+        self.magnitude = int(magnitude)
+        self.register_buffer("table", torch.stack([m for m, _ in space.values()]), persistent=False)
+        self.register_buffer("signed", torch.tensor([s for _, s in space.values()]), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for _ in range(self.num_ops):
+            op_ids, magnitudes = self.sample(x.shape[0], x.device)
+            x = apply_per_sample_ops(x, op_ids, magnitudes, self.names)
+        return x
+
+    def sample(self, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Per sample: an op id, and its magnitude with a random sign for signed ops."""
+        table, signed = self.table.to(device), self.signed.to(device)
+        op_ids = torch.randint(len(self.names), (batch,), device=device)
+        if self.uniform_magnitude:
+            bins = torch.randint(NUM_MAGNITUDE_BINS, (batch,), device=device)
+        else:
+            bins = torch.full((batch,), self.magnitude, device=device)
+        negate = (torch.rand(batch, device=device) < 0.5) & signed[op_ids]
+        return op_ids, table[op_ids, bins] * torch.where(negate, -1.0, 1.0)
+
+
+# --------------------------------------------------------------------------------------------------- modules
+
+
+class TrainTransform(_Normalized):
+    """uint8 (B, 3, H, W) -> float32 (B, 3, S, S): random-resized crop + flip, optional RandAugment, normalise."""
+
+    def __init__(
+        self,
+        image_size: int,
+        mean: float | Sequence[float],
+        std: float | Sequence[float],
+        crop_scale_min: float = 0.08,
+        hflip_prob: float = 0.5,
+        auto_augment: str = "none",
+        randaugment_num_ops: int = 2,
+        randaugment_magnitude: int = 9,
+    ):
+        super().__init__(image_size, mean, std)
+        self.crop_scale = (float(crop_scale_min), 1.0)
+        self.hflip_prob = float(hflip_prob)
+        self.random_ops = None
+        if auto_augment not in (None, "none"):
+            self.random_ops = RandomOps(auto_augment, image_size, randaugment_num_ops, randaugment_magnitude)
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        x = pixels.float()
+        batch, _, height, width = x.shape
+        theta = sample_crop_flip_theta(batch, height, width, self.crop_scale, self.hflip_prob, x.device)
+        x = resample(x, theta, self.image_size, padding_mode="border")  # border: edge pixels, as a resize would
+        if self.random_ops is not None:
+            x = self.random_ops(x)
+        return self.normalize(x)
+
+
+class EvalTransform(_Normalized):
+    """uint8 (B, 3, H, W) -> float32 (B, 3, S, S) like the PIL image processor: resize shorter side, centre-crop."""
+
+    def __init__(
+        self, image_size: int, mean: float | Sequence[float], std: float | Sequence[float], eval_crop_pct: float = 1.0
+    ):
+        super().__init__(image_size, mean, std)
+        self.resize_to = round(image_size / eval_crop_pct)
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        x = pixels.float()
+        height, width = resized_shape(x.shape[-2], x.shape[-1], self.resize_to)
+        x = pil_bicubic_resize(x, height, width)
+        top, left = (height - self.image_size) // 2, (width - self.image_size) // 2  # transformers' center_crop
+        x = x[..., top : top + self.image_size, left : left + self.image_size]
+        return self.normalize(x)
+
+
+def pil_bicubic_resize(x: Tensor, height: int, width: int) -> Tensor:
+    """PIL's bicubic resize of uint8 images: a horizontal then a vertical pass, each rounded to uint8 levels."""
+    for size in ((x.shape[-2], width), (height, width)):
+        if size != tuple(x.shape[-2:]):
+            x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
+            x = x.clamp(0, 255).round()
+    return x
+
+
+def resized_shape(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
+    """transformers' get_resize_output_image_size(default_to_square=False): the long side is truncated."""
+    if width <= height:
+        return int(shortest_edge * height / width), shortest_edge
+    return shortest_edge, int(shortest_edge * width / height)
+
+
+def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransform, EvalTransform]:
+    train = TrainTransform(
+        image_size,
+        mean,
+        std,
+        crop_scale_min=getattr(aug_args, "crop_scale_min", 0.08),
+        hflip_prob=getattr(aug_args, "hflip_prob", 0.5),
+        auto_augment=getattr(aug_args, "auto_augment", "none"),
+        randaugment_num_ops=getattr(aug_args, "randaugment_num_ops", 2),
+        randaugment_magnitude=getattr(aug_args, "randaugment_magnitude", 9),
+    )
+    return train, EvalTransform(image_size, mean, std, eval_crop_pct=getattr(aug_args, "eval_crop_pct", 1.0))
+
+
+# --------------------------------------------------------------------------------------------------- mixup
+
+
+class MixupCutmix:
+    """timm's Mixup in 'batch' mode: one lam ~ Beta(alpha, alpha) per batch, each sample mixed with its mirror
+    x.flip(0); mixup or cutmix (50/50 when both are on), cutmix's lam corrected to the pasted box's area.
+
+    Returns the mixed pixels and soft targets lam * onehot(y) + (1 - lam) * onehot(y.flip(0)), label-smoothed.
+    Randomness comes from torch's CPU RNG.
+    """
+
+    def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, label_smoothing: float = 0.0):
+        if mixup_alpha <= 0 and cutmix_alpha <= 0:
+            raise ValueError("MixupCutmix needs mixup_alpha > 0 or cutmix_alpha > 0")
+        self.mixup_alpha = float(mixup_alpha)
+        self.cutmix_alpha = float(cutmix_alpha)
+        self.num_classes = int(num_classes)
+        self.label_smoothing = float(label_smoothing)
+
+    def __call__(self, pixels: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
+            use_cutmix = bool(torch.rand(()) < 0.5)
+        else:
+            use_cutmix = self.cutmix_alpha > 0
+        lam = _sample_beta(self.cutmix_alpha if use_cutmix else self.mixup_alpha)
+        if use_cutmix:
+            pixels, lam = cutmix(pixels, lam)
+        else:
+            pixels = lam * pixels + (1 - lam) * pixels.flip(0)
+        return pixels, self.targets(labels, lam)
+
+    def targets(self, labels: Tensor, lam: float) -> Tensor:
+        off = self.label_smoothing / self.num_classes
+        on = 1.0 - self.label_smoothing + off
+        onehot = torch.full((labels.shape[0], self.num_classes), off, dtype=torch.float32, device=labels.device)
+        onehot.scatter_(1, labels.long().view(-1, 1), on)
+        return lam * onehot + (1 - lam) * onehot.flip(0)
+
+
+def _sample_beta(alpha: float) -> float:
+    concentration = torch.tensor(alpha)
+    return float(torch.distributions.Beta(concentration, concentration).sample())
+
+
+def cutmix(pixels: Tensor, lam: float) -> tuple[Tensor, float]:
+    """Paste a box of area ~(1 - lam) from x.flip(0) (timm's rand_bbox); return the pixels and the box-corrected lam."""
+    height, width = pixels.shape[-2:]
+    cut = math.sqrt(1 - lam)
+    half_h, half_w = int(height * cut) // 2, int(width * cut) // 2
+    cy, cx = (int(torch.randint(size, ())) for size in (height, width))
+    top, bottom = max(cy - half_h, 0), min(cy + half_h, height)
+    left, right = max(cx - half_w, 0), min(cx + half_w, width)
+    mixed = pixels.clone()
+    mixed[..., top:bottom, left:right] = pixels.flip(0)[..., top:bottom, left:right]
+    return mixed, 1 - (bottom - top) * (right - left) / (height * width)
+
+
+def build_mixup(aug_args, num_classes: int, label_smoothing: float) -> MixupCutmix | None:
+    mixup_alpha = getattr(aug_args, "mixup_alpha", 0.0)
+    cutmix_alpha = getattr(aug_args, "cutmix_alpha", 0.0)
+    if mixup_alpha <= 0 and cutmix_alpha <= 0:
+        return None
+    return MixupCutmix(mixup_alpha, cutmix_alpha, num_classes, label_smoothing)

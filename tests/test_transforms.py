@@ -1,0 +1,435 @@
+"""Batched device transforms: shapes, determinism, each augmentation op against PIL, eval against the HF processor."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageEnhance, ImageOps
+
+from vit_recipes import transforms as T
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+POLICIES = ("none", "randaugment", "trivialaugment")
+
+
+def aug_args(**overrides):
+    defaults = dict(
+        crop_scale_min=0.08,
+        hflip_prob=0.5,
+        auto_augment="none",
+        randaugment_num_ops=2,
+        randaugment_magnitude=9,
+        mixup_alpha=0.0,
+        cutmix_alpha=0.0,
+        eval_crop_pct=1.0,
+    )
+    return SimpleNamespace(**{**defaults, **overrides})
+
+
+def random_pixels(batch, height, width, seed=0):
+    return torch.randint(
+        0, 256, (batch, 3, height, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def smooth_image(height, width, seed=0):
+    """Natural-ish uint8 HWC image: upsampled coarse noise plus fine noise."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    image = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC)).astype(int)
+    return np.clip(image + rng.integers(-20, 21, image.shape), 0, 255).astype(np.uint8)
+
+
+def unnormalize(x):
+    return x * torch.tensor(STD).view(1, 3, 1, 1) + torch.tensor(MEAN).view(1, 3, 1, 1)
+
+
+def as_float_batch(*images_hwc):
+    return torch.stack([torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images_hwc]).float()
+
+
+def as_hwc(x_chw):
+    return x_chw.permute(1, 2, 0).numpy()
+
+
+# --------------------------------------------------------------------------------------------------- train/eval
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("shape", [(32, 32), (256, 320)])
+def test_shapes_dtype_and_value_range(policy, shape):
+    train, evaluate = T.build_transforms(aug_args(auto_augment=policy), 64, MEAN, STD)
+    pixels = random_pixels(4, *shape)
+    torch.manual_seed(0)
+    for out in (train(pixels), evaluate(pixels)):
+        assert out.shape == (4, 3, 64, 64) and out.dtype == torch.float32
+        values = unnormalize(out)
+        assert values.min() >= -1e-5 and values.max() <= 1 + 1e-5
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_train_is_seeded(policy):
+    train, _ = T.build_transforms(aug_args(auto_augment=policy), 48, MEAN, STD)
+    pixels = random_pixels(8, 32, 40)
+    outputs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        outputs.append(train(pixels))
+    assert torch.equal(outputs[0], outputs[1])
+    assert not torch.allclose(outputs[0], outputs[2])
+
+
+def test_eval_is_deterministic_and_consumes_no_randomness():
+    _, evaluate = T.build_transforms(aug_args(eval_crop_pct=0.875), 64, MEAN, STD)
+    pixels = random_pixels(3, 50, 70)
+    state = torch.random.get_rng_state()
+    first, second = evaluate(pixels), evaluate(pixels)
+    assert torch.equal(first, second)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_eval_is_plain_crop_when_storage_fits():
+    _, evaluate = T.build_transforms(aug_args(eval_crop_pct=0.8), 64, 0.0, 1.0)  # resize to 80 = storage: no resample
+    pixels = random_pixels(2, 80, 90)
+    top, left = (80 - 64) // 2, (90 - 64) // 2
+    assert torch.equal(evaluate(pixels) * 255, pixels[..., top : top + 64, left : left + 64].float())
+
+
+@pytest.mark.parametrize("flip", [0.0, 1.0])
+def test_full_crop_at_model_size_reproduces_pixels(flip):
+    train, evaluate = T.build_transforms(aug_args(crop_scale_min=1.0, hflip_prob=flip), 32, MEAN, STD)
+    pixels = random_pixels(4, 32, 32)
+    expected = evaluate(pixels).flip(-1) if flip else evaluate(pixels)
+    torch.testing.assert_close(train(pixels), expected, atol=1e-4, rtol=0)
+
+
+def test_crop_boxes_follow_random_resized_crop():
+    torch.manual_seed(0)
+    height, width = 30, 40
+    theta = T.sample_crop_flip_theta(4000, height, width, (0.08, 1.0), hflip_prob=0.3)
+    scale_x, scale_y, cx, cy = theta[:, 0, 0], theta[:, 1, 1], theta[:, 0, 2], theta[:, 1, 2]
+    assert torch.all(theta[:, 0, 1] == 0) and torch.all(theta[:, 1, 0] == 0)
+    area = scale_x.abs() * scale_y
+    aspect = scale_x.abs() * width / (scale_y * height)
+    assert area.min() >= 0.08 - 1e-6 and area.max() <= 1 + 1e-6
+    assert aspect.min() >= 3 / 4 - 1e-5 and aspect.max() <= 4 / 3 + 1e-5
+    assert torch.all(cx.abs() + scale_x.abs() <= 1 + 1e-5) and torch.all(cy.abs() + scale_y <= 1 + 1e-5)  # inside
+    assert 0.26 < (scale_x < 0).float().mean() < 0.34  # flip rate
+    assert 0.3 < area.mean() < 0.6  # uniform area in [0.08, 1], minus rejected draws: ~0.45
+
+
+def test_crop_samples_inside_the_box_and_flips():
+    """A horizontal ramp stays monotone: increasing, or decreasing when flipped; values stay in the crop's range."""
+    ramp = torch.arange(64, dtype=torch.uint8).mul(4).expand(16, 3, 48, 64).contiguous()
+    torch.manual_seed(3)
+    train, _ = T.build_transforms(aug_args(hflip_prob=0.5), 32, 0.0, 1.0)
+    rows = train(ramp)[:, 0, 0, :] * 255
+    steps = rows.diff(dim=1)
+    increasing, decreasing = (steps >= -1e-3).all(1), (steps <= 1e-3).all(1)
+    assert torch.all(increasing | decreasing) and increasing.any() and decreasing.any()
+    assert torch.all(rows.amax(1) - rows.amin(1) > 0)
+
+
+# --------------------------------------------------------------------------------------------------- ops vs PIL
+
+
+@pytest.fixture(scope="module")
+def images():
+    """Three 32x32 RGB images: natural-ish, noisy, low contrast."""
+    rng = np.random.default_rng(1)
+    low_contrast = rng.integers(90, 130, (32, 32, 3), dtype=np.uint8)
+    return [smooth_image(32, 32), rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), low_contrast]
+
+
+def apply_op(name, images, magnitude):
+    x = as_float_batch(*images)
+    return T.OPS[name](x, torch.full((len(images),), float(magnitude)))
+
+
+def assert_matches_pil(name, images, magnitude, pil_op, max_diff, mean_diff=0.5):
+    out = apply_op(name, images, magnitude)
+    for image, result in zip(images, out):
+        reference = np.asarray(pil_op(Image.fromarray(image)), dtype=np.float32)
+        diff = np.abs(as_hwc(result) - reference)
+        assert diff.max() <= max_diff, (name, magnitude, diff.max())
+        assert diff.mean() <= mean_diff, (name, magnitude, diff.mean())
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_posterize_matches_pil(images, bits):
+    assert_matches_pil("Posterize", images, bits, lambda im: ImageOps.posterize(im, bits), max_diff=0)
+
+
+@pytest.mark.parametrize("threshold", [0, 100, 128, 178.5, 255])
+def test_solarize_matches_pil(images, threshold):
+    assert_matches_pil("Solarize", images, threshold, lambda im: ImageOps.solarize(im, threshold), max_diff=0)
+
+
+def test_equalize_matches_pil(images):
+    rng = np.random.default_rng(2)
+    more = [np.full((32, 32, 3), 77, np.uint8), rng.choice([10, 200], (32, 32, 3)).astype(np.uint8)]
+    assert_matches_pil("Equalize", images + more, 0, ImageOps.equalize, max_diff=0)
+
+
+def test_equalize_is_per_image_and_channel():
+    """Equalising a batch equals equalising each image alone (histograms must not leak across images/channels)."""
+    x = as_float_batch(*(smooth_image(24, 24, seed) for seed in range(5)))
+    x[2, 1] = 0.5 * x[2, 1]  # a dim channel
+    zero = torch.zeros(1)
+    singles = torch.cat([T.equalize(image[None], zero) for image in x])
+    assert torch.equal(T.equalize(x, torch.zeros(5)), singles)
+
+
+def test_autocontrast_matches_pil(images):
+    rng = np.random.default_rng(3)
+    channels_apart = np.stack([rng.integers(lo, hi, (32, 32)) for lo, hi in ((50, 100), (0, 256), (120, 131))], -1)
+    assert_matches_pil("AutoContrast", images + [channels_apart.astype(np.uint8)], 0, ImageOps.autocontrast, 1)
+    flat = as_float_batch(np.full((8, 8, 3), 42, np.uint8))
+    assert torch.equal(T.autocontrast(flat, torch.zeros(1)), flat)
+
+
+@pytest.mark.parametrize("magnitude", [-0.9, -0.3, 0.0, 0.5, 0.99])
+@pytest.mark.parametrize(
+    "name, enhancer, max_diff",
+    [
+        ("Brightness", ImageEnhance.Brightness, 1),
+        ("Color", ImageEnhance.Color, 1.5),  # PIL's grey is uint8, with slightly different weights
+        ("Contrast", ImageEnhance.Contrast, 1.5),  # PIL rounds the mean grey to an integer
+        ("Sharpness", ImageEnhance.Sharpness, 1.5),  # PIL's smoothed image is uint8
+    ],
+)
+def test_enhance_ops_match_pil(images, name, enhancer, max_diff, magnitude):
+    """Ops stay float; PIL truncates each blend to uint8, hence differences up to ~1 level."""
+
+    def pil_op(image):
+        return enhancer(image).enhance(1 + magnitude)
+
+    assert_matches_pil(name, images, magnitude, pil_op, max_diff=max_diff, mean_diff=1.0)
+
+
+@pytest.mark.parametrize("name", ["Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"])
+def test_geometric_ops_at_zero_are_identity(images, name):
+    x = as_float_batch(*images)
+    torch.testing.assert_close(T.OPS[name](x, torch.zeros(len(images))), x, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("shift", [5, -3, 7.9])
+def test_translate_shifts_whole_pixels_and_fills_black(images, shift):
+    x = as_float_batch(*images)
+    k = int(shift)  # torchvision truncates the magnitude
+    expected_x, expected_y = torch.zeros_like(x), torch.zeros_like(x)
+    if k > 0:
+        expected_x[..., k:], expected_y[..., k:, :] = x[..., :-k], x[..., :-k, :]
+    else:
+        expected_x[..., :k], expected_y[..., :k, :] = x[..., -k:], x[..., -k:, :]
+    magnitude = torch.full((len(images),), float(shift))
+    torch.testing.assert_close(T.translate_x(x, magnitude), expected_x, atol=1e-3, rtol=0)
+    torch.testing.assert_close(T.translate_y(x, magnitude), expected_y, atol=1e-3, rtol=0)
+
+
+def source_coords(matrix, offset, size=32):
+    """Where each output pixel samples the input (pixel-centre coordinates), for an inverse map about the centre."""
+    ys, xs = np.mgrid[0:size, 0:size] + 0.5 - size / 2
+    sx = matrix[0][0] * xs + matrix[0][1] * ys + offset[0] + size / 2 - 0.5
+    sy = matrix[1][0] * xs + matrix[1][1] * ys + offset[1] + size / 2 - 0.5
+    return sx, sy
+
+
+def source_inside(matrix, offset, margin=0.0, size=32):
+    """Output pixels sampling within `margin` pixels of the image's pixel centres (0 = no black fill involved)."""
+    sx, sy = source_coords(matrix, offset, size)
+    lo, hi = -margin, size - 1 + margin
+    return (sx >= lo) & (sx <= hi) & (sy >= lo) & (sy <= hi)
+
+
+@pytest.mark.parametrize("magnitude", [0.3, -0.2, 0.99])
+def test_shear_matches_pil_affine(images, magnitude):
+    """torchvision shears about the top-left corner: PIL affine data (1, m, 0, 0, 1, 0) / (1, 0, 0, m, 1, 0)."""
+    m = magnitude
+    cases = [
+        ("ShearX", (1, m, 0, 0, 1, 0), [[1, m], [0, 1]], (m * 16, 0)),
+        ("ShearY", (1, 0, 0, m, 1, 0), [[1, 0], [m, 1]], (0, m * 16)),
+    ]
+    for name, data, matrix, offset in cases:
+        out = apply_op(name, images, m)
+        inside, outside = source_inside(matrix, offset), ~source_inside(matrix, offset, margin=1.0)
+        assert inside.mean() > 0.3 and outside.any()
+        for image, result in zip(images, out):
+            reference = Image.fromarray(image).transform((32, 32), Image.AFFINE, data, resample=Image.BILINEAR)
+            diff = np.abs(as_hwc(result) - np.asarray(reference, dtype=np.float32))
+            assert diff[inside].max() <= 1.001, (name, m)  # PIL rounds to uint8
+            assert np.all(as_hwc(result)[outside] == 0), (name, m)  # torchvision's fill=0
+
+
+@pytest.mark.parametrize("degrees", [90.0, 30.0, -45.0, 135.0])
+def test_rotate_matches_pil_counter_clockwise(images, degrees):
+    out = apply_op("Rotate", images, degrees)
+    rad = math.radians(degrees)
+    inside = source_inside([[math.cos(rad), -math.sin(rad)], [math.sin(rad), math.cos(rad)]], (0, 0))
+    for image, result in zip(images, out):
+        reference = np.asarray(Image.fromarray(image).rotate(degrees, resample=Image.BILINEAR), dtype=np.float32)
+        assert np.abs(as_hwc(result) - reference)[inside].max() <= 1.001, degrees
+
+
+# --------------------------------------------------------------------------------------------------- policies
+
+
+def test_magnitude_tables_match_torchvision():
+    ra = T.augmentation_space("randaugment", 224)
+    assert ra["ShearX"][0][9].item() == pytest.approx(0.09) and ra["ShearX"][1]
+    assert ra["TranslateX"][0][9].item() == pytest.approx(150 / 331 * 224 * 0.3, rel=1e-5)
+    assert ra["Rotate"][0][9].item() == pytest.approx(9.0)
+    assert ra["Brightness"][0][30].item() == pytest.approx(0.9)
+    assert ra["Posterize"][0][[0, 9, 30]].tolist() == [8, 7, 4] and not ra["Posterize"][1]
+    assert ra["Solarize"][0][9].item() == pytest.approx(255 - 9 * 8.5)
+    ta = T.augmentation_space("trivialaugment", 224)
+    assert ta["TranslateX"][0][30].item() == pytest.approx(32.0)
+    assert ta["Rotate"][0][30].item() == pytest.approx(135.0)
+    assert ta["Sharpness"][0][30].item() == pytest.approx(0.99)
+    assert ta["Posterize"][0][[0, 30]].tolist() == [8, 2]
+    assert list(ra) == list(T.OPS) == list(ta)
+
+
+def test_per_sample_ops_apply_each_samples_own_op():
+    """Every op drawn by two samples with different images and magnitudes: the grouping must keep them apart."""
+    x = as_float_batch(*(smooth_image(16, 16, seed) for seed in range(28)))
+    names = list(T.OPS)
+    op_ids = torch.arange(14).repeat(2)[torch.randperm(28, generator=torch.Generator().manual_seed(0))]
+    magnitudes = torch.linspace(-0.5, 0.6, 28)
+    magnitudes = torch.where(op_ids == names.index("Posterize"), 2 + (magnitudes > 0).float() * 4, magnitudes)
+    magnitudes = torch.where(op_ids == names.index("Solarize"), 128 + magnitudes * 100, magnitudes)
+    magnitudes = torch.where(op_ids == names.index("Rotate"), magnitudes * 60, magnitudes)
+    is_translate = (op_ids == names.index("TranslateX")) | (op_ids == names.index("TranslateY"))
+    magnitudes = torch.where(is_translate, magnitudes * 10, magnitudes)
+    out = T.apply_per_sample_ops(x, op_ids, magnitudes, names)
+    for i in range(28):
+        expected = T.OPS[names[op_ids[i]]](x[i : i + 1], magnitudes[i : i + 1])[0]
+        torch.testing.assert_close(out[i], expected)
+
+
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment"])
+def test_policies_run_on_a_batch(policy):
+    pixels = random_pixels(16, 32, 32)
+    plain, _ = T.build_transforms(aug_args(), 64, MEAN, STD)
+    augmented, _ = T.build_transforms(aug_args(auto_augment=policy, randaugment_magnitude=15), 64, MEAN, STD)
+    torch.manual_seed(0)
+    reference = plain(pixels)
+    torch.manual_seed(0)  # same crops and flips; the policy then changes most samples
+    out = augmented(pixels)
+    assert out.shape == (16, 3, 64, 64) and torch.isfinite(out).all()
+    changed = (out - reference).abs().amax((1, 2, 3)) > 1e-3
+    assert changed.sum() >= 8
+
+
+def test_random_ops_sample_ops_uniformly_with_signs():
+    torch.manual_seed(0)
+    ops = T.RandomOps("randaugment", 64, magnitude=9)
+    op_ids, magnitudes = ops.sample(14000, torch.device("cpu"))
+    counts = torch.bincount(op_ids, minlength=14)
+    assert counts.min() > 850 and counts.max() < 1150
+    rotate = magnitudes[op_ids == list(T.OPS).index("Rotate")]
+    assert set(rotate.tolist()) == {9.0, -9.0}
+    ta = T.RandomOps("trivialaugment", 64)
+    op_ids, magnitudes = ta.sample(14000, torch.device("cpu"))
+    posterize_bits = magnitudes[op_ids == list(T.OPS).index("Posterize")]
+    assert set(posterize_bits.tolist()) == set(range(2, 9))
+
+
+# --------------------------------------------------------------------------------------------------- eval vs HF
+
+
+@pytest.mark.parametrize(
+    "height, width, crop_pct",
+    [(32, 32, 1.0), (333, 400, 0.875), (256, 300, 0.875)],
+    ids=["upsample-32", "downsample-400x333", "crop-only-300x256"],
+)
+def test_eval_matches_hf_image_processor(height, width, crop_pct, capsys):
+    from transformers.models.bit.image_processing_pil_bit import BitImageProcessorPil  # BitImageProcessor's PIL path
+
+    processor = BitImageProcessorPil(
+        do_resize=True,
+        size={"shortest_edge": round(224 / crop_pct)},
+        resample=Image.BICUBIC,
+        do_center_crop=True,
+        crop_size={"height": 224, "width": 224},
+        do_rescale=True,
+        do_normalize=True,
+        image_mean=MEAN,
+        image_std=STD,
+        do_convert_rgb=True,
+    )
+    images = [
+        smooth_image(height, width, seed=4),
+        np.random.default_rng(5).integers(0, 256, (height, width, 3), dtype=np.uint8),
+    ]
+    expected = processor([Image.fromarray(image) for image in images], return_tensors="pt")["pixel_values"]
+    _, evaluate = T.build_transforms(aug_args(eval_crop_pct=crop_pct), 224, MEAN, STD)
+    out = evaluate(torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2))
+    diff = (out - expected).abs()
+    with capsys.disabled():
+        print(f"\neval vs BitImageProcessor {width}x{height}: mean |diff| {diff.mean():.2e}, max {diff.max():.3f}")
+    assert out.shape == expected.shape
+    assert diff.mean() < 0.05  # the brief's bar; measured ~1e-5
+    assert diff.max() < 0.05  # within 2 uint8 levels everywhere
+
+
+# --------------------------------------------------------------------------------------------------- mixup
+
+
+def constant_images(batch, size=16):
+    """Sample i is filled with value i, so each output pixel tells which sample it came from."""
+    return torch.arange(batch, dtype=torch.float32).view(-1, 1, 1, 1).expand(batch, 3, size, size).contiguous()
+
+
+def test_build_mixup():
+    assert T.build_mixup(aug_args(), 10, 0.1) is None
+    mix = T.build_mixup(aug_args(mixup_alpha=0.8, cutmix_alpha=1.0), 10, 0.1)
+    assert (mix.mixup_alpha, mix.cutmix_alpha, mix.num_classes, mix.label_smoothing) == (0.8, 1.0, 10, 0.1)
+
+
+def test_mixup_mixes_pixels_and_targets_with_the_same_lam():
+    torch.manual_seed(0)
+    mix = T.MixupCutmix(mixup_alpha=0.8, cutmix_alpha=0.0, num_classes=6)
+    pixels, labels = constant_images(6), torch.arange(6)
+    out, targets = mix(pixels, labels)
+    assert out.shape == pixels.shape and targets.shape == (6, 6) and targets.dtype == torch.float32
+    lam = targets[0, 0].item()
+    assert 0 < lam < 1
+    torch.testing.assert_close(out, lam * pixels + (1 - lam) * pixels.flip(0))
+    torch.testing.assert_close(targets.sum(1), torch.ones(6))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cutmix_lam_is_the_kept_pixel_fraction(seed):
+    torch.manual_seed(seed)
+    mix = T.MixupCutmix(mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=4)
+    out, targets = mix(constant_images(4, size=20), torch.arange(4))
+    torch.testing.assert_close(targets.sum(1), torch.ones(4))
+    for i in range(4):
+        own = (out[i] == i).float().mean().item()
+        assert set(out[i].unique().tolist()) <= {float(i), float(3 - i)}
+        assert targets[i, i].item() == pytest.approx(own, abs=1e-6)
+        assert targets[i, 3 - i].item() == pytest.approx(1 - own, abs=1e-6)
+
+
+def test_label_smoothing_values():
+    torch.manual_seed(0)
+    mix = T.MixupCutmix(mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=10, label_smoothing=0.1)
+    _, targets = mix(torch.rand(4, 3, 8, 8), torch.full((4,), 3))  # same class: mixing cannot blur the targets
+    expected = torch.full((4, 10), 0.01)
+    expected[:, 3] = 0.91
+    torch.testing.assert_close(targets, expected)
+
+
+def test_mixup_and_cutmix_are_both_chosen_and_seeded():
+    mix = T.MixupCutmix(mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=4)
+    pixels, labels = constant_images(4, size=8), torch.arange(4)
+    torch.manual_seed(0)
+    runs = [mix(pixels, labels) for _ in range(200)]
+    cutmix_runs = sum(set(out[0].unique().tolist()) <= {0.0, 3.0} for out, _ in runs)
+    assert 60 < cutmix_runs < 140
+    torch.manual_seed(0)
+    again = mix(pixels, labels)
+    assert torch.equal(again[0], runs[0][0]) and torch.equal(again[1], runs[0][1])
