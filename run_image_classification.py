@@ -33,8 +33,14 @@ from vit_recipes.data import (
     write_skipped,
 )
 from vit_recipes.errors import RecipeError
-from vit_recipes.hub import CardInfo, check_push_ready, distributed_strategy, hardware_description, hub_error_message
-from vit_recipes.hub import write_model_card
+from vit_recipes.hub import (
+    CardInfo,
+    check_push_ready,
+    distributed_strategy,
+    hardware_description,
+    hub_error_message,
+    write_model_card,
+)
 from vit_recipes.metrics import make_compute_metrics
 from vit_recipes.modeling import build_model, evaluation_processor, mean_std
 from vit_recipes.reports import write_reports
@@ -57,12 +63,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. Data: splits with integer labels (ClassLabel names, or sorted values).
     with training_args.main_process_first(desc="loading the dataset"):
-        splits = load_splits(args.data, seed=training_args.seed, cache_dir=args.model.cache_dir,
-                             need_train=training_args.do_train)
-    logger.info("Dataset %s: %d classes (%s); %s", args.data.dataset_name, len(splits.label_names),
-                splits.label_source, ", ".join(f"{n} {len(d)}" for n, d in splits.present().items()))
+        splits = load_splits(
+            args.data, seed=training_args.seed, cache_dir=args.model.cache_dir, need_train=training_args.do_train
+        )
+    logger.info(
+        "Dataset %s: %d classes (%s); %s",
+        args.data.dataset_name,
+        len(splits.label_names),
+        splits.label_source,
+        ", ".join(f"{n} {len(d)}" for n, d in splits.present().items()),
+    )
 
-    # 3. Model with a head for these labels.
+    # 3. Model with a head for these labels (seeded: a new head is initialised randomly).
+    transformers.set_seed(training_args.seed)
     model, image_size = build_model(args.model, splits.label_names)
     mean, std = mean_std(args.model)
 
@@ -72,8 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
     train_transform, eval_transform = build_transforms(args.augment, image_size, mean, std)
 
     # 5. Trainer.
-    images_per_step = (training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
-                       * training_args.world_size)
+    images_per_step = (
+        training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+        * training_args.world_size
+    )
     throughput = ThroughputCallback(images_per_step)
     card: dict = {}
     try:
@@ -130,8 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
     if report_split and trainer.is_world_process_zero():
         name, output = report_split
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
-        reports = write_reports(logits, output.label_ids, splits.label_names, training_args.output_dir,
-                                split="test" if name == "test" else "validation")
+        reports = write_reports(
+            logits,
+            output.label_ids,
+            splits.label_names,
+            training_args.output_dir,
+            split="test" if name == "test" else "validation",
+        )
     if results:
         trainer.save_metrics("all", results, combined=False)
 
@@ -147,28 +168,41 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             trainer.push_to_hub(finetuned_from=args.model.model_name_or_path)
         except Exception as err:
-            raise RecipeError(hub_error_message(err, "push the model")) from None
+            raise RecipeError(hub_error_message(err, "push the model", training_args.output_dir)) from None
     if trainer.is_world_process_zero():
         summary(results, training_args.output_dir, reports)
     return results
 
 
 def setup_logging(training_args) -> None:
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        handlers=[logging.StreamHandler(sys.stdout)], force=True)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+        force=True,
+    )
     level = training_args.get_process_log_level()
     logging.getLogger().setLevel(level)
     datasets.utils.logging.set_verbosity(level)
     transformers.utils.logging.set_verbosity(level)
     transformers.utils.logging.enable_explicit_format()
-    logger.info("Process rank %d of %d, device %s, bf16 %s, fp16 %s", training_args.process_index,
-                training_args.world_size, training_args.device, training_args.bf16, training_args.fp16)
+    logger.info(
+        "Process rank %d of %d, device %s, bf16 %s, fp16 %s",
+        training_args.process_index,
+        training_args.world_size,
+        training_args.device,
+        training_args.bf16,
+        training_args.fp16,
+    )
 
 
 def save_labels(splits, output_dir: str) -> None:
     with open(os.path.join(output_dir, "labels.json"), "w") as f:
-        json.dump({"names": splits.label_names, "source": splits.label_source,
-                   "storage_shape": list(splits.storage_shape)}, f, indent=2)
+        json.dump(
+            {"names": splits.label_names, "source": splits.label_source, "storage_shape": list(splits.storage_shape)},
+            f,
+            indent=2,
+        )
 
 
 def predict_folder(trainer, data_args, storage_shape, label_names, output_dir) -> None:
@@ -200,7 +234,8 @@ def card_info(args, argv, splits, results, reports, throughput) -> dict:
     hyperparameters = {
         "learning_rate": training.learning_rate,
         "per_device_train_batch_size": training.per_device_train_batch_size,
-        "global_batch_size": training.per_device_train_batch_size * training.gradient_accumulation_steps
+        "global_batch_size": training.per_device_train_batch_size
+        * training.gradient_accumulation_steps
         * training.world_size,
         "num_train_epochs": training.num_train_epochs if training.max_steps <= 0 else None,
         "max_steps": training.max_steps if training.max_steps > 0 else None,
@@ -244,8 +279,18 @@ def card_info(args, argv, splits, results, reports, throughput) -> dict:
 
 def summary(results: dict, output_dir: str, reports: dict) -> None:
     lines = [f"{k}: {v:.4f}" for k, v in results.items() if k.endswith("accuracy")]
-    print("\n".join(["", "=" * 60, *lines, f"model, card (README.md) and metrics: {output_dir}",
-                     *([f"confusion matrix: {reports['confusion_matrix']}"] if reports else []), "=" * 60]))
+    print(
+        "\n".join(
+            [
+                "",
+                "=" * 60,
+                *lines,
+                f"model, card (README.md) and metrics: {output_dir}",
+                *([f"confusion matrix: {reports['confusion_matrix']}"] if reports else []),
+                "=" * 60,
+            ]
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,14 +42,22 @@ def cifar_like(tmp_path_factory) -> Path:
     from datasets import ClassLabel, Features, Image
     from PIL import Image as PILImage
 
-    features = Features({"img": Image(), "fine_label": ClassLabel(names=[f"class_{i}" for i in range(100)]),
-                         "coarse_label": ClassLabel(names=[f"super_{i}" for i in range(20)])})
+    features = Features(
+        {
+            "img": Image(),
+            "fine_label": ClassLabel(names=[f"class_{i}" for i in range(100)]),
+            "coarse_label": ClassLabel(names=[f"super_{i}" for i in range(20)]),
+        }
+    )
     splits = {}
     for name, per_class, seed in (("train", 4, 0), ("test", 1, 1)):
         labels = np.repeat(np.arange(100), per_class)
         images = pattern_images(labels, 32, seed)
-        splits[name] = {"img": [PILImage.fromarray(x) for x in images], "fine_label": labels,
-                        "coarse_label": labels // 5}
+        splits[name] = {
+            "img": [PILImage.fromarray(x) for x in images],
+            "fine_label": labels,
+            "coarse_label": labels // 5,
+        }
     return write_parquet_splits(tmp_path_factory.mktemp("cifar100"), splits, features)
 
 
@@ -67,8 +75,15 @@ def tiny_vit(tmp_path_factory) -> Path:
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
     torch.manual_seed(0)
-    config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                       intermediate_size=64, num_labels=7)
+    config = ViTConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=7,
+    )
     path = tmp_path_factory.mktemp("tiny-vit")
     ViTForImageClassification(config).save_pretrained(path)
     ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(path)
@@ -86,5 +101,17 @@ def run_script():
     return run
 
 
-FAST_ARGS = ("--dataloader_num_workers", "0", "--use_cpu", "true", "--report_to", "none", "--logging_steps", "5",
-             "--save_strategy", "no", "--eval_strategy", "no")
+FAST_ARGS = (
+    "--dataloader_num_workers",
+    "0",
+    "--use_cpu",
+    "true",
+    "--report_to",
+    "none",
+    "--logging_steps",
+    "5",
+    "--save_strategy",
+    "no",
+    "--eval_strategy",
+    "no",
+)

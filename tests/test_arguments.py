@@ -16,8 +16,11 @@ def write(tmp_path, text: str) -> Path:
 
 
 def test_recipe_sets_values_and_command_line_overrides(tmp_path):
-    recipe = write(tmp_path, "dataset_name: beans\nlearning_rate: 5e-5\nper_device_train_batch_size: 8\n"
-                             "hflip_prob: 0.0\nbf16: false\nreport_to: none\n")
+    recipe = write(
+        tmp_path,
+        "dataset_name: beans\nlearning_rate: 5e-5\nper_device_train_batch_size: 8\n"
+        "hflip_prob: 0.0\nbf16: false\nreport_to: none\n",
+    )
     args = parse_args(["--config", str(recipe), "--per_device_train_batch_size", "16", "--output_dir", str(tmp_path)])
     assert args.data.dataset_name == "beans"
     assert args.training.learning_rate == pytest.approx(5e-5)  # YAML reads 5e-5 as a string: coerced to float

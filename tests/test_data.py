@@ -15,9 +15,18 @@ from vit_recipes.errors import RecipeError
 
 
 def data_args(name, **kw):
-    base = dict(dataset_name=str(name), dataset_config_name=None, image_column_name=None, label_column_name=None,
-                train_split_name="train", validation_split_name=None, test_split_name=None,
-                validation_split_percentage=0.1, max_train_samples=None, max_eval_samples=None)
+    base = dict(
+        dataset_name=str(name),
+        dataset_config_name=None,
+        image_column_name=None,
+        label_column_name=None,
+        train_split_name="train",
+        validation_split_name=None,
+        test_split_name=None,
+        validation_split_percentage=0.1,
+        max_train_samples=None,
+        max_eval_samples=None,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -28,8 +37,9 @@ def png(array) -> bytes:
 
 
 def tiny_split(labels, size=8, feature=None, mode_image=None):
-    images = [mode_image or PILImage.fromarray(np.full((size, size, 3), 10 * i % 255, np.uint8)) for i in
-              range(len(labels))]
+    images = [
+        mode_image or PILImage.fromarray(np.full((size, size, 3), 10 * i % 255, np.uint8)) for i in range(len(labels))
+    ]
     features = Features({"image": Image(), "label": feature or Value("string")})
     return Dataset.from_dict({"image": images, "label": labels}, features=features)
 
@@ -53,8 +63,10 @@ def test_presets_load_hub_schema(preset, hub_id, image_col, label_col, splits, t
     replica = DatasetDict()
     for split in splits:
         labels = np.tile(np.arange(4), 5)
-        columns = {image_col: [PILImage.fromarray(np.full((8, 8, 3), v * 50, np.uint8)) for v in labels],
-                   label_col: labels}
+        columns = {
+            image_col: [PILImage.fromarray(np.full((8, 8, 3), v * 50, np.uint8)) for v in labels],
+            label_col: labels,
+        }
         if extra:
             columns["coarse_label"] = labels // 2
         replica[split] = Dataset.from_dict(columns, features=features)
@@ -115,8 +127,10 @@ def test_imagefolder_with_string_labels_and_save_to_disk(tmp_path):
     assert loaded.test["labels"] == [2, 0]
 
     # an arrow file, integer labels without ClassLabel
-    ds = Dataset.from_dict({"img": [png(np.zeros((4, 4, 3), np.uint8))] * 8, "target": [7, 3, 7, 3, 9, 9, 3, 7]},
-                           features=Features({"img": Image(), "target": Value("int64")}))
+    ds = Dataset.from_dict(
+        {"img": [png(np.zeros((4, 4, 3), np.uint8))] * 8, "target": [7, 3, 7, 3, 9, 9, 3, 7]},
+        features=Features({"img": Image(), "target": Value("int64")}),
+    )
     ds.to_parquet(str(tmp_path / "one.parquet"))
     loaded = load_splits(data_args(tmp_path / "one.parquet", validation_split_percentage=0.4))
     assert loaded.label_names == ["3", "7", "9"]
@@ -152,13 +166,17 @@ def test_missing_split_and_empty_split(tmp_path):
 
 def test_labels_out_of_range_and_mixed_types(tmp_path):
     feature = ClassLabel(names=["a", "b"])
-    bad = Dataset.from_dict({"image": [png(np.zeros((4, 4, 3), np.uint8))] * 3, "label": [0, 1, -1]},
-                            features=Features({"image": Image(), "label": Value("int64")}))
+    bad = Dataset.from_dict(
+        {"image": [png(np.zeros((4, 4, 3), np.uint8))] * 3, "label": [0, 1, -1]},
+        features=Features({"image": Image(), "label": Value("int64")}),
+    )
     path = save(tmp_path, train=tiny_split([0, 1] * 4, feature=feature), test=bad.cast_column("label", feature))
     with pytest.raises(RecipeError, match="split 'test' has label -1 outside 0..1"):
         load_splits(data_args(path))
-    ints = Dataset.from_dict({"image": [png(np.zeros((4, 4, 3), np.uint8))] * 2, "label": [0, 1]},
-                             features=Features({"image": Image(), "label": Value("int64")}))
+    ints = Dataset.from_dict(
+        {"image": [png(np.zeros((4, 4, 3), np.uint8))] * 2, "label": [0, 1]},
+        features=Features({"image": Image(), "label": Value("int64")}),
+    )
     path = save(tmp_path, train=tiny_split(["a", "b"] * 4), test=ints)
     with pytest.raises(RecipeError, match="mixed types across splits"):
         load_splits(data_args(path))
@@ -173,8 +191,15 @@ def mode_images() -> dict[str, PILImage.Image]:
     rgba = base.convert("RGBA")
     rgba.putalpha(128)
     wide = np.linspace(0, 65535, 120, dtype=np.uint16).reshape(12, 10)
-    return {"RGB": base, "L": base.convert("L"), "LA": base.convert("LA"), "P": base.convert("P"),
-            "RGBA": rgba, "CMYK": base.convert("CMYK"), "I;16": PILImage.fromarray(wide)}
+    return {
+        "RGB": base,
+        "L": base.convert("L"),
+        "LA": base.convert("LA"),
+        "P": base.convert("P"),
+        "RGBA": rgba,
+        "CMYK": base.convert("CMYK"),
+        "I;16": PILImage.fromarray(wide),
+    }
 
 
 def test_every_pil_mode_decodes_to_rgb_uint8():
@@ -197,9 +222,15 @@ def test_every_pil_mode_decodes_to_rgb_uint8():
 def test_corrupt_images_are_skipped_counted_and_reported(tmp_path):
     good = png(np.full((8, 8, 3), 100, np.uint8))
     split = Dataset.from_dict(
-        {"image": [{"bytes": good, "path": None}, {"bytes": b"not an image", "path": None},
-                   {"bytes": good, "path": None}, {"bytes": good[:40], "path": None}],
-         "labels": [0, 1, 0, 1]},
+        {
+            "image": [
+                {"bytes": good, "path": None},
+                {"bytes": b"not an image", "path": None},
+                {"bytes": good, "path": None},
+                {"bytes": good[:40], "path": None},
+            ],
+            "labels": [0, 1, 0, 1],
+        },
         features=Features({"image": Image(decode=False), "labels": ClassLabel(names=["a", "b"])}),
     )
     splits = data_module.ImageSplits(split, None, None, "image", ["a", "b"], "ClassLabel")
@@ -213,11 +244,15 @@ def test_corrupt_images_are_skipped_counted_and_reported(tmp_path):
 
 
 def test_storage_shape_native_for_small_square_otherwise_256():
-    small = Dataset.from_dict({"image": [{"bytes": png(np.zeros((32, 32, 3), np.uint8)), "path": None}] * 3},
-                              features=Features({"image": Image(decode=False)}))
+    small = Dataset.from_dict(
+        {"image": [{"bytes": png(np.zeros((32, 32, 3), np.uint8)), "path": None}] * 3},
+        features=Features({"image": Image(decode=False)}),
+    )
     assert storage_shape_for(small, "image", 224, None) == (32, 32)
-    mixed = Dataset.from_dict({"image": [{"bytes": png(np.zeros((h, 300, 3), np.uint8)), "path": None}
-                                         for h in (280, 500)]}, features=Features({"image": Image(decode=False)}))
+    mixed = Dataset.from_dict(
+        {"image": [{"bytes": png(np.zeros((h, 300, 3), np.uint8)), "path": None} for h in (280, 500)]},
+        features=Features({"image": Image(decode=False)}),
+    )
     assert storage_shape_for(mixed, "image", 224, None) == (256, 256)
     assert storage_shape_for(mixed, "image", 224, 128) == (128, 128)
 

@@ -25,8 +25,10 @@ class ModelArguments:
 
     model_name_or_path: str | None = field(
         default="google/vit-base-patch16-224-in21k",
-        metadata={"help": "Hub id or local path of the checkpoint to fine-tune. Set to null to train from scratch "
-                  "from --config_name."},
+        metadata={
+            "help": "Hub id or local path of the checkpoint to fine-tune. Set to null to train from scratch "
+            "from --config_name."
+        },
     )
     config_name: str | None = field(
         default=None,
@@ -34,9 +36,11 @@ class ModelArguments:
     )
     config_overrides: str | None = field(
         default=None,
-        metadata={"help": "Comma-separated config overrides when training from scratch, e.g. "
-                  "'hidden_size=192,num_hidden_layers=6,num_attention_heads=3,intermediate_size=768,image_size=32,"
-                  "patch_size=4'."},
+        metadata={
+            "help": "Comma-separated config overrides when training from scratch, e.g. "
+            "'hidden_size=192,num_hidden_layers=6,num_attention_heads=3,intermediate_size=768,image_size=32,"
+            "patch_size=4'."
+        },
     )
     image_processor_name: str | None = field(
         default=None, metadata={"help": "Image processor to take mean/std from (default: the model's)."}
@@ -54,8 +58,10 @@ class DataArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "A preset (cifar100, food101, beans), any Hub dataset id, or a local path: an imagefolder "
-                  "tree, a folder of parquet/arrow files, or a save_to_disk folder."},
+        metadata={
+            "help": "A preset (cifar100, food101, beans), any Hub dataset id, or a local path: an imagefolder "
+            "tree, a folder of parquet/arrow files, or a save_to_disk folder."
+        },
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
     image_column_name: str | None = field(
@@ -79,8 +85,10 @@ class DataArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate validation and test."})
     storage_size: int | None = field(
         default=None,
-        metadata={"help": "Side of the square uint8 images the DataLoader delivers. Default: the native size when all "
-                  "images share one no larger than the model's, else image_size/0.875 (256 for 224)."},
+        metadata={
+            "help": "Side of the square uint8 images the DataLoader delivers. Default: the native size when all "
+            "images share one no larger than the model's, else image_size/0.875 (256 for 224)."
+        },
     )
     preprocessing_num_workers: int | None = field(
         default=None, metadata={"help": "Processes that decode images once into the on-disk cache."}
@@ -123,7 +131,9 @@ class RecipeTrainingArguments(TrainingArguments):
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Replace an output_dir that holds a different or finished run."}
     )
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep pixel columns (see TrainingArguments)."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep pixel columns (see TrainingArguments)."}
+    )
     eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate: 'no', 'steps' or 'epoch'."})
     save_strategy: str = field(default="epoch", metadata={"help": "When to checkpoint: 'no', 'steps' or 'epoch'."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept on disk."})
@@ -242,32 +252,54 @@ def validate_arguments(model_args, data_args, aug_args, training_args) -> None:
     """Reject values that would only fail (or silently misbehave) later, in one line each."""
     checks = [
         (training_args.learning_rate > 0, f"learning_rate must be > 0, got {training_args.learning_rate}"),
-        (training_args.per_device_train_batch_size > 0,
-         f"per_device_train_batch_size must be > 0, got {training_args.per_device_train_batch_size}"),
-        (training_args.per_device_eval_batch_size > 0,
-         f"per_device_eval_batch_size must be > 0, got {training_args.per_device_eval_batch_size}"),
-        (training_args.gradient_accumulation_steps > 0,
-         f"gradient_accumulation_steps must be > 0, got {training_args.gradient_accumulation_steps}"),
-        (training_args.max_steps > 0 or training_args.num_train_epochs > 0,
-         "num_train_epochs must be > 0 (or set max_steps)"),
-        (0 < data_args.validation_split_percentage < 1,
-         f"validation_split_percentage must be in (0, 1), got {data_args.validation_split_percentage}"),
-        (data_args.storage_size is None or data_args.storage_size > 0,
-         f"storage_size must be > 0, got {data_args.storage_size}"),
+        (
+            training_args.per_device_train_batch_size > 0,
+            f"per_device_train_batch_size must be > 0, got {training_args.per_device_train_batch_size}",
+        ),
+        (
+            training_args.per_device_eval_batch_size > 0,
+            f"per_device_eval_batch_size must be > 0, got {training_args.per_device_eval_batch_size}",
+        ),
+        (
+            training_args.gradient_accumulation_steps > 0,
+            f"gradient_accumulation_steps must be > 0, got {training_args.gradient_accumulation_steps}",
+        ),
+        (
+            training_args.max_steps > 0 or training_args.num_train_epochs > 0,
+            "num_train_epochs must be > 0 (or set max_steps)",
+        ),
+        (
+            0 < data_args.validation_split_percentage < 1,
+            f"validation_split_percentage must be in (0, 1), got {data_args.validation_split_percentage}",
+        ),
+        (
+            data_args.storage_size is None or data_args.storage_size > 0,
+            f"storage_size must be > 0, got {data_args.storage_size}",
+        ),
         (0 < aug_args.crop_scale_min <= 1, f"crop_scale_min must be in (0, 1], got {aug_args.crop_scale_min}"),
         (0 <= aug_args.hflip_prob <= 1, f"hflip_prob must be in [0, 1], got {aug_args.hflip_prob}"),
-        (aug_args.auto_augment in ("none", "randaugment", "trivialaugment"),
-         f"auto_augment must be none, randaugment or trivialaugment, got {aug_args.auto_augment!r}"),
+        (
+            aug_args.auto_augment in ("none", "randaugment", "trivialaugment"),
+            f"auto_augment must be none, randaugment or trivialaugment, got {aug_args.auto_augment!r}",
+        ),
         (aug_args.mixup_alpha >= 0 and aug_args.cutmix_alpha >= 0, "mixup_alpha and cutmix_alpha must be >= 0"),
         (0 < aug_args.eval_crop_pct <= 1, f"eval_crop_pct must be in (0, 1], got {aug_args.eval_crop_pct}"),
-        (0 <= training_args.label_smoothing_factor < 1,
-         f"label_smoothing_factor must be in [0, 1), got {training_args.label_smoothing_factor}"),
-        (model_args.model_name_or_path or model_args.config_name,
-         "set --model_name_or_path to fine-tune, or --config_name to train from scratch"),
-        (data_args.dataset_name or not (training_args.do_train or training_args.do_eval),
-         "--dataset_name is required: a preset (cifar100, food101, beans), a Hub id or a local path"),
-        (not (training_args.do_predict and data_args.predict_images is None and data_args.dataset_name is None),
-         "--do_predict needs --predict_images (a folder of images) or a dataset with a test split"),
+        (
+            0 <= training_args.label_smoothing_factor < 1,
+            f"label_smoothing_factor must be in [0, 1), got {training_args.label_smoothing_factor}",
+        ),
+        (
+            model_args.model_name_or_path or model_args.config_name,
+            "set --model_name_or_path to fine-tune, or --config_name to train from scratch",
+        ),
+        (
+            data_args.dataset_name or not (training_args.do_train or training_args.do_eval),
+            "--dataset_name is required: a preset (cifar100, food101, beans), a Hub id or a local path",
+        ),
+        (
+            not (training_args.do_predict and data_args.predict_images is None and data_args.dataset_name is None),
+            "--do_predict needs --predict_images (a folder of images) or a dataset with a test split",
+        ),
     ]
     for ok, message in checks:
         if not ok:

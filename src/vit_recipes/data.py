@@ -127,9 +127,7 @@ def find_column(features: datasets.Features, requested: str | None, preset: str 
     for name in IMAGE_COLUMNS if kind == "image" else LABEL_COLUMNS:
         if name in features:
             return name
-    raise RecipeError(
-        f"no {kind} column found; columns are: {', '.join(columns)}; pass --{kind}_column_name"
-    )
+    raise RecipeError(f"no {kind} column found; columns are: {', '.join(columns)}; pass --{kind}_column_name")
 
 
 def _label_values(dataset_dict: DatasetDict, column: str) -> dict[str, pa.ChunkedArray]:
@@ -164,8 +162,12 @@ def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, 
             listing = ", ".join(f"{s}: {t}" for s, t in kinds.items())
             raise RecipeError(f"label column '{column}' has mixed types across splits ({listing}); use one type")
         label_type = next(iter(kinds.values()))
-        if not (pa.types.is_integer(label_type) or pa.types.is_string(label_type)
-                or pa.types.is_large_string(label_type) or pa.types.is_boolean(label_type)):
+        if not (
+            pa.types.is_integer(label_type)
+            or pa.types.is_string(label_type)
+            or pa.types.is_large_string(label_type)
+            or pa.types.is_boolean(label_type)
+        ):
             raise RecipeError(f"label column '{column}' has type {label_type}; labels must be integers or strings")
         uniques = set()
         for split, array in values.items():
@@ -177,14 +179,17 @@ def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, 
         lookup = {v: i for i, v in enumerate(ordered)}
         encoded = dataset_dict.map(
             lambda batch: {column: [lookup[v] for v in batch[column]]},
-            batched=True, input_columns=None, desc="Mapping labels to ids",
+            batched=True,
+            input_columns=None,
+            desc="Mapping labels to ids",
         ).cast_column(column, ClassLabel(names=names))
         source = "sorted values"
     if len(names) < 2:
         raise RecipeError(f"label column '{column}' has {len(names)} class(es); classification needs at least 2")
     if column != LABELS:
-        encoded = encoded.remove_columns([c for c in (LABELS,) if c in encoded["train" if "train" in encoded
-                                                                                 else next(iter(encoded))].features])
+        encoded = encoded.remove_columns(
+            [c for c in (LABELS,) if c in encoded["train" if "train" in encoded else next(iter(encoded))].features]
+        )
         encoded = encoded.rename_column(column, LABELS)
     return encoded, names, source
 
@@ -192,9 +197,7 @@ def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, 
 def _split(dataset_dict: DatasetDict, requested: str | None, aliases: tuple[str, ...], kind: str) -> str | None:
     if requested:
         if requested not in dataset_dict:
-            raise RecipeError(
-                f"{kind} split '{requested}' does not exist; splits are: {', '.join(dataset_dict)}"
-            )
+            raise RecipeError(f"{kind} split '{requested}' does not exist; splits are: {', '.join(dataset_dict)}")
         return requested
     return next((name for name in aliases if name in dataset_dict), None)
 
@@ -205,8 +208,9 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     dataset_dict = load_any(source, data_args.dataset_config_name, cache_dir)
     train_name = _split(dataset_dict, data_args.train_split_name if need_train else None, (), "train")
     if need_train and train_name is None:
-        raise RecipeError(f"train split '{data_args.train_split_name}' does not exist; splits are: "
-                          f"{', '.join(dataset_dict)}")
+        raise RecipeError(
+            f"train split '{data_args.train_split_name}' does not exist; splits are: {', '.join(dataset_dict)}"
+        )
     val_name = _split(dataset_dict, data_args.validation_split_name, VALIDATION_SPLITS, "validation")
     test_name = _split(dataset_dict, data_args.test_split_name, ("test",), "test")
     used = [n for n in (train_name, val_name, test_name) if n]
@@ -221,15 +225,17 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     if image_column == label_column:
         raise RecipeError(f"image and label columns are both '{image_column}'")
     keep = {image_column, label_column}
-    dataset_dict = DatasetDict({n: d.remove_columns([c for c in d.column_names if c not in keep])
-                                for n, d in dataset_dict.items()})
+    dataset_dict = DatasetDict(
+        {n: d.remove_columns([c for c in d.column_names if c not in keep]) for n, d in dataset_dict.items()}
+    )
     # Decode lazily and by hand, so a corrupt file is counted instead of raising inside datasets.
     if not isinstance(features[image_column], datasets.Image) or features[image_column].decode:
         try:
             dataset_dict = dataset_dict.cast_column(image_column, datasets.Image(decode=False))
         except (TypeError, ValueError, pa.ArrowException) as err:
-            raise RecipeError(f"column '{image_column}' does not hold images ({features[image_column]}): "
-                              f"{str(err).splitlines()[0]}") from None
+            raise RecipeError(
+                f"column '{image_column}' does not hold images ({features[image_column]}): {str(err).splitlines()[0]}"
+            ) from None
     dataset_dict, names, source_kind = encode_labels(dataset_dict, label_column)
 
     train = dataset_dict[train_name] if train_name else None
@@ -249,8 +255,10 @@ def carve_validation(train: Dataset, fraction: float, num_classes: int, seed: in
     """A seeded validation split from train, stratified so every class is represented in proportion."""
     size = max(round(fraction * len(train)), num_classes)  # stratifying needs at least one image per class
     if len(train) - size < num_classes:
-        raise RecipeError(f"train has {len(train)} images for {num_classes} classes: too few to carve a "
-                          "validation split; pass --validation_split_name")
+        raise RecipeError(
+            f"train has {len(train)} images for {num_classes} classes: too few to carve a "
+            "validation split; pass --validation_split_name"
+        )
     try:
         carved = train.train_test_split(test_size=size, seed=seed, stratify_by_column=LABELS)
     except ValueError:  # some class has a single image: stratification is impossible
@@ -281,8 +289,9 @@ def load_image_folder(folder: str) -> Dataset:
 # --------------------------------------------------------------------------------------------------- decoding
 
 
-def storage_shape_for(dataset: Dataset, image_column: str, image_size: int, storage_size: int | None,
-                      sample: int = 64) -> tuple[int, int]:
+def storage_shape_for(
+    dataset: Dataset, image_column: str, image_size: int, storage_size: int | None, sample: int = 64
+) -> tuple[int, int]:
     """The (height, width) all images are stored at.
 
     Small datasets of one native size (CIFAR's 32x32) stay native: upsampling happens on the device, where it is
@@ -316,8 +325,9 @@ def _decode_batch(batch, image_column: str, height: int, width: int):
     return {PIXELS: pixels, "ok": ok}
 
 
-def decode_split(dataset: Dataset, image_column: str, shape: tuple[int, int], num_proc: int | None,
-                 name: str) -> tuple[Dataset, list[int]]:
+def decode_split(
+    dataset: Dataset, image_column: str, shape: tuple[int, int], num_proc: int | None, name: str
+) -> tuple[Dataset, list[int]]:
     """Decode every image of a split once into uint8 CHW bytes (cached on disk by datasets' fingerprint)."""
     height, width = shape
     decoded = dataset.map(
@@ -326,24 +336,35 @@ def decode_split(dataset: Dataset, image_column: str, shape: tuple[int, int], nu
         batch_size=256,
         fn_kwargs={"image_column": image_column, "height": height, "width": width},
         remove_columns=[image_column],
-        features=datasets.Features({**{k: v for k, v in dataset.features.items() if k != image_column},
-                                    PIXELS: Value("binary"), "ok": Value("bool")}),
+        features=datasets.Features(
+            {
+                **{k: v for k, v in dataset.features.items() if k != image_column},
+                PIXELS: Value("binary"),
+                "ok": Value("bool"),
+            }
+        ),
         num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > 1000 else None,
         desc=f"Decoding {name} images to {height}x{width} uint8",
     )
     ok = np.asarray(decoded.data.column("ok").to_numpy(zero_copy_only=False), dtype=bool)
     bad = np.flatnonzero(~ok).tolist()
     if bad:
-        logger.warning("Skipped %d corrupt image(s) in split '%s' (rows %s%s)", len(bad), name,
-                       ", ".join(map(str, bad[:10])), ", ..." if len(bad) > 10 else "")
+        logger.warning(
+            "Skipped %d corrupt image(s) in split '%s' (rows %s%s)",
+            len(bad),
+            name,
+            ", ".join(map(str, bad[:10])),
+            ", ..." if len(bad) > 10 else "",
+        )
         decoded = decoded.select(np.flatnonzero(ok))
         if len(decoded) == 0:
             raise RecipeError(f"every image in split '{name}' is corrupt or unreadable")
     return decoded.remove_columns("ok"), bad
 
 
-def decode_splits(splits: ImageSplits, image_size: int, storage_size: int | None = None,
-                  num_proc: int | None = None) -> ImageSplits:
+def decode_splits(
+    splits: ImageSplits, image_size: int, storage_size: int | None = None, num_proc: int | None = None
+) -> ImageSplits:
     reference = splits.train or splits.validation or splits.test
     shape = storage_shape_for(reference, splits.image_column, image_size, storage_size)
     decoded, skipped = {}, {}
@@ -351,8 +372,16 @@ def decode_splits(splits: ImageSplits, image_size: int, storage_size: int | None
         decoded[name], bad = decode_split(split, splits.image_column, shape, num_proc, name)
         if bad:
             skipped[name] = bad
-    return ImageSplits(decoded.get("train"), decoded.get("validation"), decoded.get("test"), PIXELS,
-                       splits.label_names, splits.label_source, shape, skipped)
+    return ImageSplits(
+        decoded.get("train"),
+        decoded.get("validation"),
+        decoded.get("test"),
+        PIXELS,
+        splits.label_names,
+        splits.label_source,
+        shape,
+        skipped,
+    )
 
 
 def write_skipped(splits: ImageSplits, output_dir: str) -> None:

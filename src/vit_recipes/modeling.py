@@ -9,12 +9,16 @@ from transformers import (
     AutoConfig,
     AutoImageProcessor,
     AutoModelForImageClassification,
-    BitImageProcessor,
     PretrainedConfig,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
 
 from .errors import RecipeError
+
+try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way
+    from transformers import BitImageProcessorPil as BitImageProcessor
+except ImportError:
+    from transformers import BitImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +30,14 @@ def _load_config(model_args) -> tuple[PretrainedConfig, bool]:
     source = model_args.model_name_or_path
     if source:
         try:
-            config = AutoConfig.from_pretrained(source, revision=model_args.model_revision,
-                                                cache_dir=model_args.cache_dir)
+            config = AutoConfig.from_pretrained(
+                source, revision=model_args.model_revision, cache_dir=model_args.cache_dir
+            )
         except (OSError, ValueError) as err:
-            raise RecipeError(f"cannot load model '{source}': {str(err).splitlines()[0]} (a local checkpoint folder "
-                              "or Hub id; offline, use a local path or --config_name to train from scratch)") from None
+            raise RecipeError(
+                f"cannot load model '{source}': {str(err).splitlines()[0]} (a local checkpoint folder "
+                "or Hub id; offline, use a local path or --config_name to train from scratch)"
+            ) from None
         return config, True
     name = model_args.config_name
     try:
@@ -54,8 +61,10 @@ def _model_types() -> set[str]:
 def check_config(config: PretrainedConfig, source: str) -> int:
     """Reject configs that cannot classify images; return the input resolution."""
     if config.model_type not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
-        raise RecipeError(f"'{source}' is a {config.model_type} model, not an image-classification one; use a "
-                          "checkpoint such as google/vit-base-patch16-224-in21k")
+        raise RecipeError(
+            f"'{source}' is a {config.model_type} model, not an image-classification one; use a "
+            "checkpoint such as google/vit-base-patch16-224-in21k"
+        )
     image_size, patch_size = getattr(config, "image_size", None), getattr(config, "patch_size", None)
     if isinstance(image_size, (list, tuple)):
         image_size = image_size[0]
@@ -82,15 +91,27 @@ def build_model(model_args, label_names: list[str]):
     kwargs = {"config": config, "attn_implementation": model_args.attn_implementation}
     if pretrained:
         if not same_head:
-            logger.info("Replacing the classification head: %s has %s labels, this dataset %d",
-                        source, old_labels, len(label_names))
-        model = _quietly(AutoModelForImageClassification.from_pretrained, source,
-                         revision=model_args.model_revision, cache_dir=model_args.cache_dir,
-                         ignore_mismatched_sizes=not same_head, **kwargs)
+            logger.info(
+                "Replacing the classification head: %s has %s labels, this dataset %d",
+                source,
+                old_labels,
+                len(label_names),
+            )
+        model = _quietly(
+            AutoModelForImageClassification.from_pretrained,
+            source,
+            revision=model_args.model_revision,
+            cache_dir=model_args.cache_dir,
+            ignore_mismatched_sizes=not same_head,
+            **kwargs,
+        )
     else:
         model = AutoModelForImageClassification.from_config(**kwargs)
-        logger.info("Training from scratch: %s with %.1fM parameters",
-                    config.model_type, sum(p.numel() for p in model.parameters()) / 1e6)
+        logger.info(
+            "Training from scratch: %s with %.1fM parameters",
+            config.model_type,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+        )
     return model, image_size
 
 

@@ -25,14 +25,18 @@ def resolve_resume(training_args, run: dict) -> str | None:
         return explicit
     saved_file = out / RUN_FILE
     if not saved_file.is_file():
-        raise RecipeError(f"output_dir {out} is not empty and holds no run of this script; choose another "
-                          "--output_dir or pass --overwrite_output_dir")
+        raise RecipeError(
+            f"output_dir {out} is not empty and holds no run of this script; choose another "
+            "--output_dir or pass --overwrite_output_dir"
+        )
     saved = json.loads(saved_file.read_text())
     changed = [k for k in sorted(set(saved) | set(run)) if saved.get(k) != run.get(k)]
     if changed:
         key = changed[0]
-        raise RecipeError(f"output_dir {out} holds a different run ({key}: {saved.get(key)!r} there, "
-                          f"{run.get(key)!r} now); choose another --output_dir or pass --overwrite_output_dir")
+        raise RecipeError(
+            f"output_dir {out} holds a different run ({key}: {saved.get(key)!r} there, "
+            f"{run.get(key)!r} now); choose another --output_dir or pass --overwrite_output_dir"
+        )
     if explicit:
         return explicit
     last = get_last_checkpoint(str(out))
@@ -40,8 +44,10 @@ def resolve_resume(training_args, run: dict) -> str | None:
         logger.info("Resuming the run found in %s from %s", out, last)
         return last
     if (out / "all_results.json").is_file():
-        raise RecipeError(f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to "
-                          "train again or choose another --output_dir")
+        raise RecipeError(
+            f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to "
+            "train again or choose another --output_dir"
+        )
     return None
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 
 class ImageClassificationTrainer(Trainer):
@@ -54,6 +56,17 @@ class ImageClassificationTrainer(Trainer):
         else:
             loss = logits.new_zeros(())
         return (loss, outputs) if return_outputs else loss
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # transformers 5.2x saves ViT under its original key names but resumes with a raw load_state_dict, which
+        # silently leaves the new layer names unloaded. from_pretrained applies the key conversion.
+        model = model if model is not None else self.model
+        weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(model, PreTrainedModel)
+        if not (plain and os.path.isfile(weights)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
+        model.load_state_dict(loaded.state_dict(), strict=True)
 
     def create_model_card(self, *args, **kwargs):
         if self.card_writer is not None:

@@ -1,0 +1,149 @@
+"""Local stand-ins for what benchmarks would download: Hub-shaped datasets and randomly initialised checkpoints.
+
+    python benchmarks/make_assets.py --out bench_assets cifar100 food101 vit-base vit-huge
+
+- cifar100: CIFAR-100-shaped (uoft-cs/cifar100 columns img/fine_label), 32x32 PNG in parquet, 100 classes,
+  50,000 train / 10,000 test (sizes adjustable).
+- food101: Food-101-shaped (ethz/food101 columns image/label), JPEG of 384-640 px sides, 101 classes.
+- vit-base / vit-huge: google/vit-{base-patch16,huge-patch14}-224-in21k configs, random weights, save_pretrained.
+Images are learnable (class colour + noise), so loss curves are meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+CHECKPOINTS = {
+    "vit-base": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        patch_size=16,
+        image_size=224,
+    ),
+    "vit-huge": dict(
+        hidden_size=1280,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        intermediate_size=5120,
+        patch_size=14,
+        image_size=224,
+    ),
+}
+
+
+def _encode_shard(args) -> list[bytes]:
+    labels, seed, fmt, size_range = args
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    palette = np.random.default_rng(0).integers(0, 256, size=(256, 3))
+    out = []
+    for label in labels:
+        h, w = (
+            (int(s) for s in rng.integers(*size_range, size=2))
+            if size_range[0] != size_range[1]
+            else (size_range[0], size_range[0])
+        )
+        base = palette[label] + rng.normal(0, 40, size=(h // 8 + 1, w // 8 + 1, 3))  # blotchy texture
+        image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).resize((w, h), Image.Resampling.BILINEAR)
+        buffer = io.BytesIO()
+        image.save(buffer, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+        out.append(buffer.getvalue())
+    return out
+
+
+def make_dataset(
+    out: Path,
+    image_col: str,
+    label_col: str,
+    classes: int,
+    splits: dict[str, int],
+    fmt: str,
+    size_range: tuple[int, int],
+    workers: int,
+) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import ClassLabel, Features, Image
+
+    features = Features({image_col: Image(), label_col: ClassLabel(names=[f"class_{i:03d}" for i in range(classes)])})
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    for seed, (split, count) in enumerate(splits.items()):
+        labels = np.arange(count) % classes
+        shards = [(labels[i : i + 2000], seed * 1000 + i, fmt, size_range) for i in range(0, count, 2000)]
+        with ProcessPoolExecutor(workers) as pool:
+            images = [
+                b
+                for shard in tqdm(pool.map(_encode_shard, shards), total=len(shards), desc=f"{out.name} {split}")
+                for b in shard
+            ]
+        table = pa.table(
+            {image_col: [{"bytes": b, "path": None} for b in images], label_col: labels.tolist()},
+            schema=features.arrow_schema,
+        )
+        pq.write_table(table, out / "data" / f"{split}-00000-of-00001.parquet", row_group_size=1000)
+    return out
+
+
+def make_checkpoint(out: Path, name: str) -> Path:
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    config = ViTConfig(**CHECKPOINTS[name], num_labels=2)
+    ViTForImageClassification(config).save_pretrained(out)
+    ViTImageProcessor().save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("assets", nargs="+", choices=["cifar100", "food101", "vit-base", "vit-huge"])
+    parser.add_argument("--out", default="bench_assets")
+    parser.add_argument("--train", type=int, default=None, help="train images (default 50,000 / 75,750)")
+    parser.add_argument("--test", type=int, default=None, help="test/validation images (default 10,000 / 25,250)")
+    parser.add_argument("--workers", type=int, default=8)
+    args = parser.parse_args()
+    root = Path(args.out)
+    for asset in args.assets:
+        target = root / asset
+        if target.exists():
+            print(f"{target} exists, kept")
+            continue
+        if asset == "cifar100":
+            make_dataset(
+                target,
+                "img",
+                "fine_label",
+                100,
+                {"train": args.train or 50_000, "test": args.test or 10_000},
+                "PNG",
+                (32, 32),
+                args.workers,
+            )
+        elif asset == "food101":
+            make_dataset(
+                target,
+                "image",
+                "label",
+                101,
+                {"train": args.train or 75_750, "validation": args.test or 25_250},
+                "JPEG",
+                (384, 640),
+                args.workers,
+            )
+        else:
+            make_checkpoint(target, asset)
+        print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()

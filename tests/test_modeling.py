@@ -1,0 +1,79 @@
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vit_recipes.errors import RecipeError
+from vit_recipes.modeling import build_model, evaluation_processor, mean_std
+
+
+def model_args(**kw):
+    base = dict(
+        model_name_or_path=None,
+        config_name=None,
+        config_overrides=None,
+        image_processor_name=None,
+        model_revision="main",
+        cache_dir=None,
+        attn_implementation="sdpa",
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_pretrained_head_is_replaced_with_one_log_line(tiny_vit, caplog):
+    caplog.set_level("INFO", logger="vit_recipes.modeling")
+    model, image_size = build_model(model_args(model_name_or_path=str(tiny_vit)), ["a", "b", "c"])
+    assert image_size == 16
+    assert model.classifier.out_features == 3
+    assert model.config.id2label == {0: "a", 1: "b", 2: "c"} and model.config.label2id["c"] == 2
+    assert model.config._attn_implementation == "sdpa"
+    heads = [r.getMessage() for r in caplog.records if "classification head" in r.getMessage()]
+    assert heads == [f"Replacing the classification head: {tiny_vit} has 7 labels, this dataset 3"]
+    # the backbone weights really came from the checkpoint
+    from transformers import ViTForImageClassification
+
+    original = ViTForImageClassification.from_pretrained(tiny_vit)
+    assert torch.equal(
+        model.vit.embeddings.patch_embeddings.projection.weight,
+        original.vit.embeddings.patch_embeddings.projection.weight,
+    )
+
+
+def test_from_scratch_with_overrides():
+    model, image_size = build_model(
+        model_args(
+            config_name="vit",
+            config_overrides="image_size=32,patch_size=8,hidden_size=48,"
+            "num_hidden_layers=1,num_attention_heads=2,intermediate_size=96",
+        ),
+        ["x", "y"],
+    )
+    assert image_size == 32 and model.config.hidden_size == 48 and model.config.num_labels == 2
+
+
+def test_image_size_must_divide_by_patch_size():
+    with pytest.raises(RecipeError, match="image_size 30 is not divisible by patch_size 8"):
+        build_model(model_args(config_name="vit", config_overrides="image_size=30,patch_size=8"), ["x", "y"])
+
+
+def test_not_an_image_classification_checkpoint(tmp_path):
+    from transformers import BertConfig
+
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(RecipeError, match="is a bert model, not an image-classification one"):
+        build_model(model_args(model_name_or_path=str(tmp_path)), ["x", "y"])
+    with pytest.raises(RecipeError, match="cannot load model"):
+        build_model(model_args(model_name_or_path=str(tmp_path / "missing")), ["x", "y"])
+
+
+def test_mean_std_and_saved_processor(tiny_vit, tmp_path):
+    assert mean_std(model_args(model_name_or_path=str(tiny_vit))) == ((0.5,) * 3, (0.5,) * 3)
+    processor = evaluation_processor(224, 0.875, (0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    processor.save_pretrained(tmp_path)
+    from transformers import AutoImageProcessor
+
+    loaded = AutoImageProcessor.from_pretrained(tmp_path)
+    assert loaded.size == {"shortest_edge": 256} and loaded.crop_size == {"height": 224, "width": 224}
+    assert list(loaded.image_mean) == [0.1, 0.2, 0.3]

@@ -1,0 +1,216 @@
+"""End-to-end runs of run_image_classification.py on tiny local data and checkpoints."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import FAST_ARGS, ROOT
+from safetensors.torch import load_file
+
+from vit_recipes.errors import RecipeError
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_run_args(data, model, out, *extra):
+    return (
+        "--dataset_name",
+        data,
+        "--model_name_or_path",
+        model,
+        "--output_dir",
+        out,
+        "--do_train",
+        "true",
+        "--do_eval",
+        "true",
+        "--per_device_train_batch_size",
+        "8",
+        "--per_device_eval_batch_size",
+        "64",
+        "--learning_rate",
+        "1e-3",
+        "--lr_scheduler_type",
+        "constant",
+        "--crop_scale_min",
+        "0.5",
+        *FAST_ARGS,
+        *extra,
+    )
+
+
+def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, run_script):
+    out = tmp_path / "run"
+    results = run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "6"))
+    assert {"eval_accuracy", "eval_top5_accuracy", "eval_f1_macro", "test_accuracy", "test_top5_accuracy"} <= set(
+        results
+    )
+    saved = json.loads((out / "all_results.json").read_text())
+    assert saved["test_accuracy"] == pytest.approx(results["test_accuracy"])
+    assert saved["train_images_per_second"] > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"]["0"] == "class_0" and len(config["id2label"]) == 100
+    for name in (
+        "model.safetensors",
+        "preprocessor_config.json",
+        "README.md",
+        "labels.json",
+        "run_config.json",
+        "confusion_matrix_test.png",
+        "per_class_accuracy_test.csv",
+        "per_class_accuracy_test.md",
+    ):
+        assert (out / name).is_file(), name
+    card = (out / "README.md").read_text()
+    assert "confusion_matrix_test.png" in card and "run_image_classification.py" in card
+    with open(out / "per_class_accuracy_test.csv") as f:
+        assert len(list(csv.DictReader(f))) == 100
+
+
+def test_resume_continues_where_it_stopped(cifar_like, tiny_vit, tmp_path, run_script):
+    """A run stopped at step 3 and resumed to step 6 ends with the weights of an uninterrupted 6-step run."""
+    common = ("--save_strategy", "steps", "--save_steps", "3", "--do_eval", "false")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_script(*tiny_run_args(cifar_like, tiny_vit, straight, "--max_steps", "6", *common))
+    run_script(*tiny_run_args(cifar_like, tiny_vit, stopped, "--max_steps", "3", *common))
+    assert (stopped / "checkpoint-3").is_dir()
+    run_script(*tiny_run_args(cifar_like, tiny_vit, stopped, "--max_steps", "6", *common))  # finds checkpoint-3
+    state = json.loads((stopped / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    logged_steps = [entry["step"] for entry in state["log_history"] if "loss" in entry]
+    assert logged_steps == [5]  # the resumed run logged only steps after 3 (logging every 5)
+    a, b = load_file(straight / "model.safetensors"), load_file(stopped / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_pipeline_matches_script_and_predict_csv(digits_dir, tmp_path, run_script):
+    """The saved folder works as a Hub model: pipeline() agrees with the script's own predictions."""
+    from datasets import load_dataset
+    from transformers import pipeline
+
+    images = tmp_path / "held_out"
+    images.mkdir()
+    test = load_dataset(str(digits_dir), split="test")
+    for i, row in enumerate(test):
+        row["image"].save(images / f"{i:03d}_{row['label']}.png")
+    out = tmp_path / "digits"
+    results = run_script(
+        "--config",
+        ROOT / "recipes/quickstart/digits.yaml",
+        "--dataset_name",
+        digits_dir,
+        "--output_dir",
+        out,
+        "--num_train_epochs",
+        "10",
+        "--do_predict",
+        "true",
+        "--predict_images",
+        images,
+        "--eval_strategy",
+        "no",
+    )
+    assert results["test_accuracy"] > 0.6, "a tiny ViT learns digits within a few epochs"
+    with open(out / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(test) and set(rows[0]) == {"file", "label", "score"}
+    classifier = pipeline("image-classification", model=str(out), device="cpu")
+    ours = {row["file"]: row["label"] for row in rows}
+    theirs = {p.name: classifier(str(p), top_k=1)[0]["label"] for p in sorted(images.iterdir())}
+    agreement = np.mean([ours[name] == theirs[name] for name in ours])
+    assert agreement >= 0.99, f"pipeline agrees on {agreement:.1%} only"
+    truth = np.mean([row["label"] == row["file"].split("_")[1].split(".")[0] for row in rows])
+    assert truth == pytest.approx(results["test_accuracy"], abs=1e-6)
+
+
+def test_no_token_is_written_anywhere(cifar_like, tiny_vit, tmp_path, run_script, monkeypatch):
+    token = "hf_" + "S3cr3t" * 6
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    out = tmp_path / "run"
+    run_script(
+        *tiny_run_args(
+            cifar_like,
+            tiny_vit,
+            out,
+            "--max_steps",
+            "2",
+            "--hub_token",
+            token,
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "2",
+        )
+    )
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path
+
+
+def test_output_dir_with_another_run_is_refused(cifar_like, tiny_vit, tmp_path, run_script):
+    out = tmp_path / "run"
+    run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "1"))
+    with pytest.raises(RecipeError, match="holds a different run \\(seed: 42 there, 7 now\\)"):
+        run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "1", "--seed", "7"))
+    with pytest.raises(RecipeError, match="holds a finished run"):
+        run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "1"))
+    run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "1", "--overwrite_output_dir", "true"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="holds no run of this script"):
+        run_script(*tiny_run_args(cifar_like, tiny_vit, foreign, "--max_steps", "1"))
+
+
+def script(*args, env=None):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run_image_classification.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_bad_input_exits_with_one_line(tmp_path, tiny_vit):
+    import os
+
+    result = script(
+        "--dataset_name",
+        "./no/such/folder",
+        "--model_name_or_path",
+        tiny_vit,
+        "--output_dir",
+        tmp_path / "a",
+        "--do_train",
+        "true",
+        "--use_cpu",
+        "true",
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: dataset path not found: ./no/such/folder"
+    # push without a token fails before any data is loaded (the dataset path is bad too, and is never reached)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0")
+    result = script(
+        "--dataset_name",
+        "./no/such/folder",
+        "--output_dir",
+        tmp_path / "b",
+        "--do_train",
+        "true",
+        "--push_to_hub",
+        "true",
+        "--use_cpu",
+        "true",
+        env=env,
+    )
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --push_to_hub needs a Hugging Face token"), last
