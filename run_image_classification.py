@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -254,7 +255,7 @@ def card_info(args, argv, splits, results, reports, throughput) -> dict:
         "storage_size": "x".join(map(str, splits.storage_shape)),
         "seed": training.seed,
     }
-    recipe_text = open(args.recipe).read() if args.recipe else None
+    recipe_text = Path(args.recipe).read_text() if args.recipe else None
     launcher = "python" if training.world_size == 1 else f"torchrun --nproc_per_node {training.world_size}"
     return {
         "model_name": training.hub_model_id or os.path.basename(os.path.abspath(training.output_dir)),
