@@ -34,6 +34,7 @@ from vit_recipes.data import (
     write_skipped,
 )
 from vit_recipes.errors import RecipeError
+from vit_recipes.flops import peak_flops, training_flops_per_image
 from vit_recipes.hub import (
     CardInfo,
     check_push_ready,
@@ -46,7 +47,7 @@ from vit_recipes.metrics import make_compute_metrics
 from vit_recipes.modeling import build_model, evaluation_processor, mean_std
 from vit_recipes.reports import write_reports
 from vit_recipes.run_dir import record_run, resolve_resume
-from vit_recipes.trainer import ImageClassificationTrainer, ThroughputCallback
+from vit_recipes.trainer import ImageClassificationTrainer, TrainingStatsCallback
 from vit_recipes.transforms import build_mixup, build_transforms
 
 logger = logging.getLogger("run_image_classification")
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
         * training_args.gradient_accumulation_steps
         * training_args.world_size
     )
-    throughput = ThroughputCallback(images_per_step)
+    flops = training_flops_per_image(model.config, training_args.gradient_checkpointing)
+    stats = TrainingStatsCallback(images_per_step, flops, run_peak_flops(training_args))
     card: dict = {}
     try:
         trainer = ImageClassificationTrainer(
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
             eval_dataset=splits.validation,
             data_collator=PixelCollator(splits.storage_shape),
             compute_metrics=make_compute_metrics(),
-            callbacks=[throughput],
+            callbacks=[stats],
             train_transform=train_transform,
             eval_transform=eval_transform,
             mixup=build_mixup(args.augment, len(splits.label_names), training_args.label_smoothing_factor),
@@ -122,8 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_result = trainer.train(resume_from_checkpoint=resume_from)
         trainer.save_model()  # under DeepSpeed/FSDP this gathers a plain, loadable model
         metrics = dict(train_result.metrics)
-        if throughput.images_per_second:
-            metrics["train_images_per_second"] = round(throughput.images_per_second, 2)
+        metrics.update(stats.metrics())
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         predict_folder(trainer, args.data, splits.storage_shape, splits.label_names, training_args.output_dir)
 
     # 9. Model card (always written locally), then push.
-    card.update(card_info(args, argv, splits, results, reports, throughput))
+    card.update(card_info(args, argv, splits, results, reports, stats))
     if trainer.is_world_process_zero():
         write_model_card(CardInfo(**card), training_args.output_dir)
     if training_args.push_to_hub:
@@ -173,6 +174,17 @@ def main(argv: list[str] | None = None) -> dict:
     if trainer.is_world_process_zero():
         summary(results, training_args.output_dir, reports)
     return results
+
+
+def run_peak_flops(training_args) -> float | None:
+    """Peak FLOP/s of all the GPUs in this run (None on CPU or unknown GPUs: no MFU then)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    precision = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+    peak = peak_flops(torch.cuda.get_device_name(), precision)
+    return peak * training_args.world_size if peak else None
 
 
 def setup_logging(training_args) -> None:
@@ -226,7 +238,7 @@ def predict_folder(trainer, data_args, storage_shape, label_names, output_dir) -
     logger.info("Wrote %d predictions to %s", len(decoded) + len(skipped), path)
 
 
-def card_info(args, argv, splits, results, reports, throughput) -> dict:
+def card_info(args, argv, splits, results, reports, stats) -> dict:
     model_source = args.model.model_name_or_path
     is_hub = lambda name: bool(name) and not os.path.exists(os.path.expanduser(name))  # noqa: E731
     dataset_id, _ = resolve_source(args.data.dataset_name or "")
@@ -272,7 +284,7 @@ def card_info(args, argv, splits, results, reports, throughput) -> dict:
         "recipe_text": recipe_text,
         "strategy": distributed_strategy(training),
         "hardware": hardware_description(),
-        "throughput": throughput.images_per_second,
+        "throughput": stats.images_per_second,
         "per_class_markdown": reports.get("markdown"),
         "confusion_matrix_file": os.path.basename(reports["confusion_matrix"]) if reports else None,
     }

@@ -17,6 +17,8 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeError
+from .lora import LoraArguments
+from .observability import ObservabilityArguments
 
 
 @dataclass
@@ -157,7 +159,14 @@ class RecipeTrainingArguments(TrainingArguments):
         super().__post_init__()
 
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, AugmentationArguments, RecipeTrainingArguments)
+ARGUMENT_CLASSES = (
+    ModelArguments,
+    DataArguments,
+    AugmentationArguments,
+    LoraArguments,
+    ObservabilityArguments,
+    RecipeTrainingArguments,
+)
 
 
 def build_parser() -> HfArgumentParser:
@@ -219,6 +228,8 @@ class RunArguments:
     model: ModelArguments
     data: DataArguments
     augment: AugmentationArguments
+    lora: LoraArguments
+    observe: ObservabilityArguments
     training: RecipeTrainingArguments
     recipe: str | None  # the --config file, if any
 
@@ -235,10 +246,10 @@ def parse_args(argv: list[str] | None = None) -> RunArguments:
         parsed = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as err:  # raised by TrainingArguments.__post_init__ on inconsistent values
         raise RecipeError(f"invalid arguments: {str(err).splitlines()[0]}") from None
-    model_args, data_args, aug_args, training_args = parsed[:4]
-    _move_token_out_of_args(training_args)
-    validate_arguments(model_args, data_args, aug_args, training_args)
-    return RunArguments(model_args, data_args, aug_args, training_args, known.config)
+    args = RunArguments(*parsed[: len(ARGUMENT_CLASSES)], recipe=known.config)
+    _move_token_out_of_args(args.training)
+    validate_arguments(args.model, args.data, args.augment, args.training)
+    return args
 
 
 def _move_token_out_of_args(training_args: TrainingArguments) -> None:

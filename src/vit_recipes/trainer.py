@@ -29,6 +29,14 @@ class ImageClassificationTrainer(Trainer):
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        start = time.perf_counter()
+        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, TrainingStatsCallback):
+                callback.add_data_wait(time.perf_counter() - start)
+        return batches
+
     def _prepare_inputs(self, inputs):
         inputs = super()._prepare_inputs(inputs)
         pixels = inputs.get("pixel_values")
@@ -76,21 +84,42 @@ class ImageClassificationTrainer(Trainer):
             super().create_model_card(*args, **kwargs)
 
 
-class ThroughputCallback(TrainerCallback):
-    """Steady-state training images/s: skips warm-up steps and excludes time spent evaluating or saving."""
+class TrainingStatsCallback(TrainerCallback):
+    """Steady-state speed and memory of a training run, added to the train metrics (all_results.json).
 
-    def __init__(self, images_per_step: int, warmup_steps: int = 5):
+    Skips warm-up steps and excludes time spent evaluating or saving. Keys:
+    train_images_per_second, train_step_time_s, train_time_20_steps_s, train_data_wait_fraction (time the loop was
+    blocked fetching batches, over step time), train_mfu (when the GPU's peak is known),
+    train_peak_allocated_gib / train_peak_reserved_gib (per GPU).
+    """
+
+    def __init__(
+        self,
+        images_per_step: int,
+        flops_per_image: float | None = None,
+        peak_flops: float | None = None,
+        warmup_steps: int = 5,
+    ):
         self.images_per_step = images_per_step
+        self.flops_per_image = flops_per_image
+        self.peak_flops = peak_flops  # of all GPUs together
         self.warmup_steps = warmup_steps
         self.steps = 0
         self.seconds = 0.0
+        self.data_seconds = 0.0
+        self._pending_data = 0.0
         self._last = None
+
+    def add_data_wait(self, seconds: float) -> None:
+        self._pending_data += seconds
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
         if self._last is not None and state.global_step > self.warmup_steps:
             self.seconds += now - self._last
+            self.data_seconds += self._pending_data
             self.steps += 1
+        self._pending_data = 0.0
         self._last = now
 
     def _pause(self, *args, **kwargs):
@@ -101,3 +130,20 @@ class ThroughputCallback(TrainerCallback):
     @property
     def images_per_second(self) -> float | None:
         return self.images_per_step * self.steps / self.seconds if self.seconds > 0 else None
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        if self.seconds > 0:
+            step = self.seconds / self.steps
+            out.update(
+                train_images_per_second=round(self.images_per_second, 2),
+                train_step_time_s=round(step, 5),
+                train_time_20_steps_s=round(20 * step, 3),
+                train_data_wait_fraction=round(self.data_seconds / self.seconds, 5),
+            )
+            if self.flops_per_image and self.peak_flops:
+                out["train_mfu"] = round(self.images_per_second * self.flops_per_image / self.peak_flops, 4)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["train_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            out["train_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+        return out
