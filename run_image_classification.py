@@ -17,12 +17,14 @@ import logging
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import datasets
 import numpy as np
 import transformers
 
+from vit_recipes import strategy as distributed
 from vit_recipes.arguments import parse_args, run_config
 from vit_recipes.data import (
     PixelCollator,
@@ -34,7 +36,7 @@ from vit_recipes.data import (
     write_skipped,
 )
 from vit_recipes.errors import RecipeError
-from vit_recipes.flops import peak_flops, training_flops_per_image
+from vit_recipes.flops import peak_flops
 from vit_recipes.hub import (
     CardInfo,
     check_push_ready,
@@ -43,8 +45,11 @@ from vit_recipes.hub import (
     hub_error_message,
     write_model_card,
 )
+from vit_recipes.lora import build_finetune_model, check_lora_strategy, save_final_model, training_flops
 from vit_recipes.metrics import make_compute_metrics
-from vit_recipes.modeling import build_model, evaluation_processor, mean_std
+from vit_recipes.modeling import evaluation_processor, mean_std
+from vit_recipes.observability import attach as attach_observability
+from vit_recipes.plots import write_plots
 from vit_recipes.reports import write_reports
 from vit_recipes.run_dir import record_run, resolve_resume
 from vit_recipes.trainer import ImageClassificationTrainer, TrainingStatsCallback
@@ -56,12 +61,15 @@ logger = logging.getLogger("run_image_classification")
 def main(argv: list[str] | None = None) -> dict:
     # 1. Arguments: recipe YAML, overridden by the command line; fail fast on anything wrong.
     argv = sys.argv[1:] if argv is None else list(argv)
+    distributed.check_launch(argv)  # processes vs GPUs, before parsing starts the process group
     args = parse_args(argv)
     training_args = args.training
+    distributed.check_strategy(args)  # DDP/DeepSpeed/FSDP settings vs arguments, device and host memory
     setup_logging(training_args)
     check_push_ready(training_args)
     run = run_config(args)
     resume_from = resolve_resume(training_args, run) if training_args.do_train else None
+    distributed.check_resume(training_args, resume_from)  # a DeepSpeed checkpoint needs its world size
 
     # 2. Data: splits with integer labels (ClassLabel names, or sorted values).
     with training_args.main_process_first(desc="loading the dataset"):
@@ -78,12 +86,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. Model with a head for these labels (seeded: a new head is initialised randomly).
     transformers.set_seed(training_args.seed)
-    model, image_size = build_model(args.model, splits.label_names)
+    # Full fine-tuning, LoRA adapters (--use_peft) or the head alone (--freeze_backbone); prints the trainable share.
+    model, image_size, finetune = build_finetune_model(args.model, args.lora, training_args, splits.label_names)
     mean, std = mean_std(args.model)
 
     # 4. Decode every image once to uint8 at storage size (cached on disk); the device does the rest.
+    decode_start = time.perf_counter()
     with training_args.main_process_first(desc="decoding images"):
         splits = decode_splits(splits, image_size, args.data.storage_size, args.data.preprocessing_num_workers)
+    decode_seconds = time.perf_counter() - decode_start  # first run: decoding; later runs: reading the cache
     train_transform, eval_transform = build_transforms(args.augment, image_size, mean, std)
 
     # 5. Trainer.
@@ -92,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         * training_args.gradient_accumulation_steps
         * training_args.world_size
     )
-    flops = training_flops_per_image(model.config, training_args.gradient_checkpointing)
+    flops = training_flops(model.config, training_args.gradient_checkpointing, finetune)
     stats = TrainingStatsCallback(images_per_step, flops, run_peak_flops(training_args))
     card: dict = {}
     try:
@@ -113,6 +124,10 @@ def main(argv: list[str] | None = None) -> dict:
         if training_args.push_to_hub:  # the Trainer creates the Hub repository up front
             raise RecipeError(hub_error_message(err, "create the model repository")) from None
         raise
+    check_lora_strategy(trainer, finetune)  # LoRA under FSDP/ZeRO-3: refuse set-ups that could not save the adapter
+    distributed.attach_rank_report(trainer)  # VIT_RECIPES_DEBUG_RANK_REPORT=1: each rank reports what it ran
+    # Per-step img/s, step time, MFU, memory per rank in every tracker's logs; --profile_steps traces.
+    attach_observability(trainer, args.observe, images_per_step, flops, stats.peak_flops)
     processor = evaluation_processor(image_size, args.augment.eval_crop_pct, mean, std)
     results: dict = {}
 
@@ -122,9 +137,12 @@ def main(argv: list[str] | None = None) -> dict:
             record_run(training_args, run)
             write_skipped(splits, training_args.output_dir)
         train_result = trainer.train(resume_from_checkpoint=resume_from)
-        trainer.save_model()  # under DeepSpeed/FSDP this gathers a plain, loadable model
+        # Under DeepSpeed/FSDP this gathers a plain, loadable model; LoRA: the adapter, or the merged model.
+        save_final_model(trainer, finetune)
         metrics = dict(train_result.metrics)
         metrics.update(stats.metrics())
+        metrics.update(finetune.metrics)  # trainable/total parameters
+        metrics["data_decode_seconds"] = round(decode_seconds, 3)
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()
@@ -155,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
             training_args.output_dir,
             split="test" if name == "test" else "validation",
         )
+    if args.observe.plots and trainer.is_world_process_zero():  # loss/lr, validation metrics, throughput PNGs
+        write_plots(trainer.state.log_history, training_args.output_dir)
     if results:
         trainer.save_metrics("all", results, combined=False)
 
@@ -164,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 9. Model card (always written locally), then push.
     card.update(card_info(args, argv, splits, results, reports, stats))
+    card.update(finetune.card_fields(card["hyperparameters"]))  # LoRA adapters: library peft
     if trainer.is_world_process_zero():
         write_model_card(CardInfo(**card), training_args.output_dir)
     if training_args.push_to_hub:
@@ -272,7 +293,7 @@ def card_info(args, argv, splits, results, reports, stats) -> dict:
     return {
         "model_name": training.hub_model_id or os.path.basename(os.path.abspath(training.output_dir)),
         "base_model": model_source if is_hub(model_source) else None,
-        "base_model_source": model_source or f"{args.model.config_name} (from scratch)",
+        "base_model_source": model_source,  # None: trained from scratch
         "dataset_id": dataset_id if is_hub(dataset_id) else os.path.basename(os.path.abspath(dataset_id)),
         "dataset_is_hub": is_hub(dataset_id),
         "label_names": splits.label_names,
