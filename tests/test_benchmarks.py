@@ -1,0 +1,297 @@
+"""The benchmark suite: benchmarks/run.py (commands, records, failures) and benchmarks/report.py (table, charts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import FAST_ARGS, ROOT
+
+BENCH = ROOT / "benchmarks"
+FIXTURES = ROOT / "tests" / "data" / "benchmarks" / "fixture_records.json"
+METRIC_KEYS = {
+    "train_images_per_second",
+    "train_step_time_s",
+    "train_time_20_steps_s",
+    "train_data_wait_fraction",
+    "train_loss",
+    "train_batches_per_second",
+    "train_images_per_second_per_gpu",
+    "data_decode_seconds",
+}
+RECORD_KEYS = {
+    "name",
+    "strategy",
+    "gpus",
+    "model",
+    "per_device_batch",
+    "precision",
+    "dataset",
+    "steps",
+    "device",
+    "command",
+    "git_commit",
+    "versions",
+    "metrics",
+    "created",
+    "status",
+    "error",
+}
+
+
+def load_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_run = load_module("run")
+bench_report = load_module("report")
+
+
+def runner(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- planning
+
+
+def plan(**run):
+    return bench_run.normalise({"model": "bench_assets/vit-base", "dataset": "bench_assets/cifar100", **run})
+
+
+def test_launcher_per_strategy(tmp_path, monkeypatch):
+    configs = tmp_path / "accelerate_configs"
+    configs.mkdir()
+    for name in ("zero2.yaml", "zero3_offload.yaml", "fsdp.yaml"):
+        (configs / name).write_text("distributed_type: DEEPSPEED\n")
+    monkeypatch.setattr(bench_run, "ROOT", tmp_path)
+
+    single = bench_run.build_command(plan(batch=32, precision="fp32"), "OUT")
+    assert single[0] == sys.executable and single[1] == "run_image_classification.py"
+    assert single[single.index("--bf16") + 1] == "false"
+    assert single[single.index("--per_device_train_batch_size") + 1] == "32"
+    for flag, value in (("--eval_strategy", "no"), ("--save_strategy", "no"), ("--do_eval", "false")):
+        assert single[single.index(flag) + 1] == value
+    assert single[single.index("--report_to") + 1] == "none" and "--max_steps" in single
+
+    ddp = " ".join(bench_run.build_command(plan(strategy="ddp", gpus=2, precision="fp32"), "OUT"))
+    assert "-m accelerate.commands.launch --multi_gpu --num_processes 2" in ddp
+    assert "--mixed_precision no" in ddp  # an accelerate YAML saying bf16 cannot turn an fp32 run into bf16
+    torchrun = " ".join(bench_run.build_command(plan(strategy="ddp", gpus=4, launcher="torchrun"), "OUT"))
+    assert "-m torch.distributed.run --standalone --nproc_per_node 4 run_image_classification.py" in torchrun
+
+    for strategy, config in (("zero2", "zero2.yaml"), ("zero3_offload", "zero3_offload.yaml"), ("fsdp2", "fsdp.yaml")):
+        command = " ".join(bench_run.build_command(plan(strategy=strategy, gpus=2), "OUT"))
+        assert f"--config_file accelerate_configs/{config} --num_processes 2" in command
+        assert "--mixed_precision bf16" in command and "--bf16 true" in command
+    with pytest.raises(bench_run.PlanError, match="zero3.yaml"):
+        bench_run.build_command(plan(strategy="zero3", gpus=2), "OUT")
+    shown = bench_run.display_command(bench_run.build_command(plan(strategy="zero2", gpus=2), "OUT"))
+    assert shown.startswith("accelerate launch --config_file accelerate_configs/zero2.yaml")
+
+
+def test_plan_rejects_what_cannot_run():
+    for bad, message in (
+        ({"strategy": "single", "gpus": 2}, "one GPU"),
+        ({"strategy": "ddp", "gpus": 1}, "--gpus >= 2"),
+        ({"strategy": "zero4"}, "unknown strategy"),
+        ({"precision": "fp16"}, "fp32 or bf16"),
+        ({"batch": 0}, "batch must be positive"),
+        ({"nonsense": 1}, "unknown run keys"),
+    ):
+        with pytest.raises(bench_run.PlanError, match=message):
+            plan(**bad)
+    run = plan(strategy="zero2", gpus=2, batch=64, extra="--gradient_checkpointing true")
+    assert run["name"] == "vit-base-zero2-bf16-g2-b64-ckpt"
+
+
+def test_suites_expand():
+    defaults, runs, budget = bench_run.load_suite(str(BENCH / "suites" / "gpu_core.yaml"))
+    runs = [bench_run.normalise(r, defaults) for r in runs]
+    by_name = {r["name"]: r for r in runs}
+    core = by_name["vitb-core-bf16-b256"]
+    assert (core["batch"], core["precision"], core["strategy"], core["gpus"]) == (256, "bf16", "single", 1)
+    assert core["steps"] >= 200 and runs[0] is core  # the core record runs first
+    assert {"vitb-single-bf16-b64", "vitb-single-fp32-b256", "vith-bf16-b64", "vith-ckpt-bf16-b64"} <= set(by_name)
+    assert by_name["vith-ckpt-bf16-b64"]["extra"] == ["--gradient_checkpointing", "true"]
+    assert by_name["food-decode-bf16-b256"]["decode"]
+
+    sweep = [bench_run.normalise(r, {"model": "m", "dataset": "d", "gpus": 2}) for r in bench_run.sweep_runs()]
+    assert len(sweep) == 5 * 6
+    assert {r["batch"] for r in sweep} == {8, 32, 64, 128, 256}
+    assert {(r["strategy"], r["precision"]) for r in sweep} == {
+        ("ddp", "fp32"),
+        ("ddp", "bf16"),
+        ("zero2", "bf16"),
+        ("zero3_offload", "bf16"),
+        ("fsdp2", "bf16"),
+        ("zero3", "bf16"),
+    }
+    defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "multi_gpu_sweep.yaml"))
+    assert len(runs) == 30
+
+
+def test_error_line_prefers_oom_then_the_error():
+    log = "\n".join(
+        [
+            "[rank1]: Traceback (most recent call last):",
+            '[rank1]:   File "run_image_classification.py", line 3',
+            "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+            "run_image_classification.py FAILED",
+        ]
+    )
+    assert bench_run.error_line(log) == (
+        "oom",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+    )
+    log = "loading\nValueError: bad thing\nsubprocess.CalledProcessError: Command died\n"
+    assert bench_run.error_line(log) == ("error", "ValueError: bad thing")
+    assert bench_run.error_line("x\nerror: dataset path not found: ./x\n") == (
+        "error",
+        "error: dataset path not found: ./x",
+    )
+
+
+# --------------------------------------------------------------------------------------------------- running
+
+
+@pytest.mark.slow
+def test_runner_records_cold_and_warm_runs_and_reports_them(cifar_like, tiny_vit, tmp_path):
+    results = tmp_path / "results"
+    done = runner(
+        "--model", tiny_vit, "--dataset", cifar_like, "--batch", 8, "--steps", 8, "--precision", "fp32",
+        "--workers", 0, "--decode", "--name", "tiny", "--results", results, "--", "--use_cpu", "true",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for phase in ("cold", "warm"):
+        record = json.loads((results / f"tiny-{phase}.json").read_text())
+        assert set(record) >= RECORD_KEYS
+        assert record["status"] == "ok" and record["error"] is None and record["cache"] == phase
+        assert (record["strategy"], record["gpus"], record["per_device_batch"], record["steps"]) == ("single", 1, 8, 8)
+        assert record["precision"] == "fp32" and record["dataset"] == cifar_like.name
+        assert set(record["metrics"]) >= METRIC_KEYS, set(record["metrics"])
+        assert record["metrics"]["train_images_per_second"] > 0
+        assert 0 <= record["metrics"]["train_data_wait_fraction"] <= 1
+        assert set(record["versions"]) >= {"torch", "transformers", "accelerate", "deepspeed", "datasets", "python"}
+        assert record["command"].startswith("python run_image_classification.py --model_name_or_path")
+        assert "--max_steps 8" in record["command"] and "--use_cpu true" in record["command"]
+        assert record["git_commit"] and record["wall_seconds"] > 0
+        assert (results / record["log"]).is_file()
+    cold, warm = (json.loads((results / f"tiny-{p}.json").read_text())["metrics"] for p in ("cold", "warm"))
+    assert warm["data_decode_seconds"] < cold["data_decode_seconds"]  # the warm run reads the datasets cache
+
+    assert bench_report.main([str(results)]) == 0
+    markdown = (results / "results.md").read_text()
+    assert "## Decoding: cold vs warm datasets cache" in markdown and "`tiny-warm`" in markdown
+
+
+@pytest.mark.slow
+def test_failed_and_timed_out_runs_are_recorded(cifar_like, tiny_vit, tmp_path):
+    suite = tmp_path / "suite.json"
+    suite.write_text(
+        json.dumps(
+            {
+                "defaults": {"model": str(tiny_vit), "dataset": str(cifar_like), "steps": 8, "batch": 8, "workers": 0},
+                "runs": [
+                    {"name": "bad-lr", "extra": "--use_cpu true --learning_rate -1"},
+                    {"name": "too-slow", "timeout": 1, "extra": "--use_cpu true"},
+                ],
+            }
+        )
+    )
+    results = tmp_path / "results"
+    done = runner("--suite", suite, "--results", results)
+    assert done.returncode == 1  # not every run succeeded
+    bad = json.loads((results / "bad-lr.json").read_text())
+    assert bad["status"] == "failed" and bad["failure"] == "error"
+    assert bad["error"] == "error: learning_rate must be > 0, got -1.0"
+    assert bad["metrics"] == {} and bad["command"] and bad["per_device_batch"] == 8
+    slow = json.loads((results / "too-slow.json").read_text())
+    assert slow["status"] == "failed" and slow["failure"] == "timeout" and "timed out after 1 s" in slow["error"]
+    assert bench_report.main([str(results), "--out", str(tmp_path / "report")]) == 0
+    markdown = (tmp_path / "report" / "results.md").read_text()
+    assert "## Failed or skipped runs" in markdown and "learning_rate must be > 0" in markdown
+
+
+def test_budget_skips_runs_and_oom_skips_larger_batches(tmp_path, monkeypatch):
+    runs = [plan(name=f"r{b}", batch=b) for b in (8, 16, 32)]
+    calls = []
+
+    def fake_execute(run, results, suite, context, cache_dir, keep_output, phase=None):
+        calls.append(run["name"])
+        record = bench_run.base_record(run, suite, context)
+        record.update(status="failed", failure="oom", error="CUDA out of memory")
+        bench_run.write_record(record, results)
+        return record
+
+    monkeypatch.setattr(bench_run, "execute", fake_execute)
+    records = bench_run.run_all(runs, tmp_path, "t")
+    assert calls == ["r8"] and [r["status"] for r in records] == ["failed", "skipped", "skipped"]
+    assert records[1]["error"] == "out of memory at batch 8"
+    records = bench_run.run_all(runs, tmp_path / "b", "t", budget=0)
+    assert {r["status"] for r in records} == {"skipped"} and len(records) == 3
+    assert json.loads((tmp_path / "b" / "r8.json").read_text())["error"].startswith("time budget spent")
+    calls.clear()  # min_left: a run that needs more of the budget than is left is not started
+    records = bench_run.run_all([plan(name="big", min_left=500)], tmp_path / "c", "t", budget=300)
+    assert calls == [] and records[0]["status"] == "skipped"
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+
+def test_report_on_fixture_records(tmp_path):
+    records = json.loads(FIXTURES.read_text())
+    folder = tmp_path / "records"
+    folder.mkdir()
+    for record in records:  # one file per record, as run.py writes them
+        (folder / f"{record['name']}.json").write_text(json.dumps(record))
+    (folder / "not_a_record.json").write_text('{"hello": 1}')
+    out = tmp_path / "report"
+    assert bench_report.main([str(folder), "--out", str(out), "--title", "Fixture"]) == 0
+    markdown = (out / "results.md").read_text()
+    assert markdown.startswith("# Fixture") and "FIXTURE DATA" in markdown
+    table = markdown.split("## Throughput and memory", 1)[1].split("##", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == sum(r["status"] == "ok" and not r.get("cache") for r in records)
+    assert "| `fixture-ddp-bf16-b256` | vit-base | ddp | 2 | bf16 | 256 | 4,000 | 2,000 |" in table
+    failed = markdown.split("## Failed or skipped runs", 1)[1]
+    assert "failed (oom)" in failed and "CUDA out of memory" in failed and "skipped" in failed
+    assert "| `fixture-food-decode-cold` | food101 | cold | 40.00 |" in markdown
+
+    from matplotlib.image import imread
+
+    for chart in bench_report.CHARTS:
+        assert f"]({chart})" in markdown
+        image = imread(out / chart)
+        assert image.shape[0] > 200 and image.shape[1] > 400 and image.std() > 0.01, chart
+
+
+def test_report_without_records_fails(tmp_path):
+    assert bench_report.main([str(tmp_path)]) == 2
+
+
+# --------------------------------------------------------------------------------------------------- levers
+
+
+@pytest.mark.slow
+def test_torch_compile_lever_trains_through_our_trainer(cifar_like, tiny_vit, tmp_path, run_script):
+    """--torch_compile (a TrainingArguments flag) works with the device transforms and our loss; aot_eager keeps
+    the test fast on CPU (inductor would compile C++ for minutes)."""
+    results = run_script(
+        "--dataset_name", cifar_like, "--model_name_or_path", tiny_vit, "--output_dir", tmp_path / "out",
+        "--do_train", "true", "--do_eval", "false", "--max_steps", "7", "--per_device_train_batch_size", "8",
+        "--torch_compile", "true", "--torch_compile_backend", "aot_eager", "--plots", "false", *FAST_ARGS,
+    )  # fmt: skip
+    assert results["train_images_per_second"] > 0 and results["train_loss"] > 0
