@@ -18,7 +18,8 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeError
 from .lora import LoraArguments
-from .observability import ObservabilityArguments
+from .lora import run_config as lora_run_config
+from .observability import DEFAULT_REPORT_TO, ObservabilityArguments, resolve_report_to
 
 
 @dataclass
@@ -151,11 +152,19 @@ class RecipeTrainingArguments(TrainingArguments):
         default_factory=lambda: {"use_reentrant": False},
         metadata={"help": "Non-reentrant by default: works with frozen inputs (LoRA) and every strategy."},
     )
+    report_to: None | str | list[str] = field(
+        default=DEFAULT_REPORT_TO,
+        metadata={
+            "help": "Trackers, comma-separated: tensorboard (default: local files under OUTPUT_DIR/runs), trackio, "
+            "wandb (WANDB_MODE=offline needs no account), or none."
+        },
+    )
 
     def __post_init__(self):
         if self.dataloader_num_workers == 0:
             self.dataloader_persistent_workers = False
             self.dataloader_prefetch_factor = None
+        self.report_to = resolve_report_to(self.report_to)  # drops tensorboard, with one warning, if not installed
         super().__post_init__()
 
 
@@ -326,4 +335,5 @@ def run_config(args: RunArguments) -> dict[str, Any]:
         "dataset_name": args.data.dataset_name,
         "dataset_config_name": args.data.dataset_config_name,
         "seed": args.training.seed,
+        **lora_run_config(args.lora),  # LoRA / head-only runs (nothing for full fine-tuning)
     }

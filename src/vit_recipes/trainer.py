@@ -7,6 +7,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.utils import SAFE_WEIGHTS_NAME
 
@@ -28,21 +29,33 @@ class ImageClassificationTrainer(Trainer):
         self.card_writer = card_writer
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
+        # Profiler regions (profiling.py): data, augment, forward, backward here; optimizer_step in ProfilerCallback.
+        self.accelerator.backward = _labelled("backward", self.accelerator.backward)  # DeepSpeed: + optimizer step
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         start = time.perf_counter()
-        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        with record_function("data"):
+            batches = super().get_batch_samples(epoch_iterator, num_batches, device)
         for callback in self.callback_handler.callbacks:
-            if isinstance(callback, TrainingStatsCallback):
+            if hasattr(callback, "add_data_wait"):  # TrainingStatsCallback, StepMetricsCallback
                 callback.add_data_wait(time.perf_counter() - start)
         return batches
+
+    def log(self, logs, start_time=None):
+        # Per-step speed and memory (observability.StepMetricsCallback) join the logs before any tracker sees them.
+        # Called on every rank: extend_logs may gather values across ranks.
+        for callback in self.callback_handler.callbacks:
+            if hasattr(callback, "extend_logs"):
+                logs.update(callback.extend_logs(logs, self.args, self.state))
+        super().log(logs, start_time)
 
     def _prepare_inputs(self, inputs):
         inputs = super()._prepare_inputs(inputs)
         pixels = inputs.get("pixel_values")
         if pixels is not None and pixels.dtype == torch.uint8:
             transform = self.train_transform if self.model.training else self.eval_transform
-            pixels = transform(pixels)
+            with record_function("augment"):
+                pixels = transform(pixels)
             if self.is_deepspeed_enabled:  # DeepSpeed holds bf16/fp16 weights and does not autocast inputs
                 pixels = pixels.to(self.accelerator.state.deepspeed_plugin.hf_ds_config.dtype())
             inputs["pixel_values"] = pixels
@@ -54,15 +67,16 @@ class ImageClassificationTrainer(Trainer):
         targets = None
         if labels is not None and model.training and self.mixup is not None:
             model_inputs["pixel_values"], targets = self.mixup(model_inputs["pixel_values"], labels)
-        outputs = model(**model_inputs)
-        logits = outputs["logits"].float()
-        if targets is not None:
-            loss = torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
-        elif labels is not None:
-            smoothing = self.args.label_smoothing_factor if model.training else 0.0
-            loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
-        else:
-            loss = logits.new_zeros(())
+        with record_function("forward"):
+            outputs = model(**model_inputs)
+            logits = outputs["logits"].float()
+            if targets is not None:
+                loss = torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
+            elif labels is not None:
+                smoothing = self.args.label_smoothing_factor if model.training else 0.0
+                loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
+            else:
+                loss = logits.new_zeros(())
         return (loss, outputs) if return_outputs else loss
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -82,6 +96,23 @@ class ImageClassificationTrainer(Trainer):
                 self.card_writer()
         else:
             super().create_model_card(*args, **kwargs)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        # keep_saved_model: output_dir holds a final model that is not self.model (a merged LoRA model, lora.py);
+        # push_to_hub's own save (internal, to output_dir) must not write the adapter over it.
+        if _internal_call and output_dir is None and getattr(self, "keep_saved_model", False):
+            return
+        super().save_model(output_dir, _internal_call)
+
+
+def _labelled(name, function):
+    """`function` inside a profiler region called `name` (record_function costs about a microsecond unprofiled)."""
+
+    def wrapper(*args, **kwargs):
+        with record_function(name):
+            return function(*args, **kwargs)
+
+    return wrapper
 
 
 class TrainingStatsCallback(TrainerCallback):

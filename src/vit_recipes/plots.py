@@ -1,0 +1,163 @@
+"""PNG plots of a run from `trainer.state.log_history` (also readable from trainer_state.json).
+
+    python -m vit_recipes.plots OUTPUT_DIR      # redraw from OUTPUT_DIR/trainer_state.json
+
+- training_curves.png: training loss (and validation loss), learning rate, grad norm;
+- validation_metrics.png: every eval_* metric over steps;
+- throughput.png: images/s, step time, data-wait fraction and memory per rank (from StepMetricsCallback).
+The confusion matrix is written by reports.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from tqdm.auto import tqdm
+
+# eval_* keys that describe the evaluation loop rather than the model
+_EVAL_BOOKKEEPING = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
+_RANK_KEY = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
+
+
+def _series(history: list[dict], key: str) -> tuple[list[float], list[float]]:
+    points = [
+        (e["step"], e[key]) for e in history if isinstance(e.get(key), (int, float)) and isinstance(e.get("step"), int)
+    ]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[Figure, list]:
+    cols = min(3, panels)
+    rows = math.ceil(panels / cols)
+    fig = Figure(figsize=(width * cols, height * rows), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(panels)]
+    return fig, axes
+
+
+def _save(fig: Figure, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def training_entries(history: list[dict]) -> list[dict]:
+    return [e for e in history if "loss" in e and "learning_rate" in e]
+
+
+def eval_metric_names(history: list[dict]) -> list[str]:
+    names = []
+    for entry in history:
+        for key, value in entry.items():
+            if (
+                key.startswith("eval_")
+                and isinstance(value, (int, float))
+                and not key.endswith(_EVAL_BOOKKEEPING)
+                and key not in names
+            ):
+                names.append(key)
+    return names
+
+
+def plot_training_curves(history: list[dict], path: str) -> str | None:
+    train = training_entries(history)
+    if not train:
+        return None
+    panels = [("loss", "Loss"), ("learning_rate", "Learning rate")]
+    if any("grad_norm" in e for e in train):
+        panels.append(("grad_norm", "Grad norm"))
+    fig, axes = _grid(len(panels))
+    for ax, (key, title) in zip(axes, panels):
+        steps, values = _series(train, key)
+        ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=f"train {key}")
+        if key == "loss":
+            eval_steps, eval_values = _series(history, "eval_loss")
+            if eval_steps:
+                ax.plot(eval_steps, eval_values, marker="o", label="validation loss")
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_validation_metrics(history: list[dict], path: str) -> str | None:
+    names = eval_metric_names(history)
+    if not names:
+        return None
+    fig, axes = _grid(len(names))
+    for ax, name in zip(axes, names):
+        steps, values = _series(history, name)
+        ax.plot(steps, values, marker="o")
+        ax.set_title(name.removeprefix("eval_"))
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_throughput(history: list[dict], path: str) -> str | None:
+    train = training_entries(history)
+    if not any("images_per_second" in e for e in train):
+        return None
+    panels: list[tuple[str, list[str]]] = [
+        ("Images/s (all ranks)", ["images_per_second"]),
+        ("Step time (s)", ["step_time_s"]),
+        ("Data-wait fraction", ["data_wait_fraction"]),
+    ]
+    if any("mfu" in e for e in train):
+        panels.append(("MFU", ["mfu"]))
+    per_rank: dict[str, list[str]] = {}
+    for entry in train:
+        for key in entry:
+            match = _RANK_KEY.match(key)
+            if match and key not in per_rank.setdefault(match["name"], []):
+                per_rank[match["name"]].append(key)
+    for name, keys in per_rank.items():
+        panels.append((f"{name} per rank", sorted(keys, key=lambda k: int(_RANK_KEY.match(k)["rank"]))))
+    fig, axes = _grid(len(panels))
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            steps, values = _series(train, key)
+            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=key)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def write_plots(log_history: list[dict], output_dir: str) -> dict[str, str]:
+    """Write the plots that the history has data for; return {name: path}."""
+    os.makedirs(output_dir, exist_ok=True)
+    jobs = [
+        ("training_curves", plot_training_curves),
+        ("validation_metrics", plot_validation_metrics),
+        ("throughput", plot_throughput),
+    ]
+    written = {}
+    for name, plot in tqdm(jobs, desc="writing plots", leave=False):
+        path = plot(log_history, os.path.join(output_dir, f"{name}.png"))
+        if path:
+            written[name] = path
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Redraw a run's plots from OUTPUT_DIR/trainer_state.json.")
+    parser.add_argument("output_dir")
+    args = parser.parse_args(argv)
+    with open(os.path.join(args.output_dir, "trainer_state.json")) as f:
+        history = json.load(f)["log_history"]
+    for path in write_plots(history, args.output_dir).values():
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Tracking: per-step metrics in every tracker's logs, TensorBoard by default, W&B offline, trackio, plots."""
+
+import importlib.util
+import json
+import logging
+
+import pytest
+from conftest import FAST_ARGS
+
+from vit_recipes.arguments import parse_args
+from vit_recipes.errors import RecipeError
+from vit_recipes.observability import StepMetricsCallback, resolve_report_to
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tracked_run_args(data, model, out, *extra):
+    """Like test_script's tiny run, with FAST_ARGS' report_to/logging/eval overridden (later flags win)."""
+    return (
+        "--dataset_name",
+        data,
+        "--model_name_or_path",
+        model,
+        "--output_dir",
+        out,
+        "--do_train",
+        "true",
+        "--do_eval",
+        "true",
+        "--per_device_train_batch_size",
+        "8",
+        "--per_device_eval_batch_size",
+        "64",
+        "--learning_rate",
+        "1e-3",
+        "--max_steps",
+        "6",
+        *FAST_ARGS,
+        "--logging_steps",
+        "2",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "3",
+        *extra,
+    )
+
+
+# --- Arguments ------------------------------------------------------------------------------------------------
+
+
+def test_tensorboard_is_the_default_tracker(tmp_path):
+    args = parse_args(["--dataset_name", "cifar100", "--output_dir", str(tmp_path)])
+    assert args.training.report_to == ["tensorboard"]
+    args = parse_args(["--dataset_name", "x", "--output_dir", str(tmp_path), "--report_to", "tensorboard,wandb"])
+    assert args.training.report_to == ["tensorboard", "wandb"]
+    args = parse_args(["--dataset_name", "x", "--output_dir", str(tmp_path), "--report_to", "none"])
+    assert args.training.report_to == []
+
+
+def test_default_degrades_with_one_line_without_tensorboard(monkeypatch, caplog):
+    monkeypatch.setattr("vit_recipes.observability.tensorboard_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="vit_recipes.observability"):
+        assert resolve_report_to("tensorboard") == "none"
+        assert resolve_report_to(["tensorboard", "wandb"]) == "wandb"
+    assert [r.getMessage() for r in caplog.records] == [
+        "tensorboard is not installed: TensorBoard logging is off (pip install tensorboard)."
+    ] * 2
+
+
+@pytest.mark.parametrize("bad", ["20-", "a-b", "5-3", "0-2", "1-2-3"])
+def test_bad_profile_steps_is_one_line_error(tmp_path, bad):
+    with pytest.raises(RecipeError, match="profile_steps"):
+        parse_args(["--dataset_name", "x", "--output_dir", str(tmp_path), "--profile_steps", bad])
+
+
+def test_profile_window(tmp_path):
+    args = parse_args(["--dataset_name", "x", "--output_dir", str(tmp_path), "--profile_steps", "20-25"])
+    assert args.observe.profile_window == (20, 25)
+    assert parse_args(["--dataset_name", "x", "--output_dir", str(tmp_path)]).observe.profile_window is None
+
+
+# --- StepMetricsCallback --------------------------------------------------------------------------------------
+
+
+class _Args:
+    device = "cpu"
+
+
+def test_step_metrics_per_log_interval(monkeypatch):
+    clock = iter([0.0, 1.0, 1.5, 2.0, 10.0, 10.25])
+    monkeypatch.setattr("vit_recipes.observability.time.perf_counter", lambda: next(clock))
+    callback = StepMetricsCallback(images_per_step=16, flops_per_image=1e9, peak_flops=64e9)
+    callback.on_train_begin(_Args, None, None)  # t=0
+    callback.add_data_wait(0.25)
+    callback.on_step_end(_Args, None, None)  # step 1: 1.0 s
+    callback.on_step_end(_Args, None, None)  # step 2: 0.5 s
+    callback.on_step_end(_Args, None, None)  # step 3: 0.5 s
+    logs = callback.extend_logs({"loss": 1.0, "learning_rate": 1e-3}, _Args, None)
+    assert logs["step_time_s"] == pytest.approx(2.0 / 3)
+    assert logs["images_per_second"] == pytest.approx(16 * 3 / 2.0, rel=1e-3)
+    assert logs["data_wait_fraction"] == pytest.approx(0.125)
+    assert logs["mfu"] == pytest.approx(24 * 1e9 / 64e9, rel=1e-3)
+    assert logs["cpu_peak_rss_gib_rank0"] > 0  # one process: rank 0 only
+    assert callback.extend_logs({"eval_loss": 1.0}, _Args, None) == {}  # evaluation logs are left alone
+    callback.on_evaluate(_Args, None, None)  # time spent evaluating is not a training step
+    callback.on_step_end(_Args, None, None)  # t=10: restarts timing only
+    callback.on_step_end(_Args, None, None)  # 0.25 s
+    logs = callback.extend_logs({"loss": 1.0, "learning_rate": 1e-3}, _Args, None)
+    assert logs["step_time_s"] == pytest.approx(0.25)
+
+
+# --- End to end -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tensorboard_events_carry_step_and_eval_metrics_and_plots_are_written(
+    cifar_like, tiny_vit, tmp_path, run_script
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    run_script(*tracked_run_args(cifar_like, tiny_vit, out, "--report_to", "tensorboard"))
+    event_files = sorted((out / "runs").rglob("events.out.tfevents.*"))
+    assert event_files, "TensorBoard wrote no event files"
+    scalars: dict[str, list] = {}
+    for path in event_files:  # training writes one file; the final eval/test metrics (after train end) another
+        accumulator = EventAccumulator(str(path))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend(accumulator.Scalars(tag))
+    per_step = ["loss", "learning_rate", "grad_norm", "images_per_second", "step_time_s", "data_wait_fraction"]
+    for name in per_step:
+        assert [e.step for e in scalars[f"train/{name}"]] == [2, 4, 6], name
+    assert [e.step for e in scalars["train/cpu_peak_rss_gib_rank0"]] == [2, 4, 6]  # memory per rank (CPU: RSS)
+    assert all(e.value > 0 for e in scalars["train/images_per_second"])
+    for name in ("loss", "accuracy", "top5_accuracy", "f1_macro"):
+        assert [e.step for e in scalars[f"eval/{name}"]][:2] == [3, 6], name  # periodic evaluations
+        assert f"test/{name}" in scalars, name  # the final test split, from Trainer.predict
+    # The same per-step values are in trainer_state.json's log_history, which the plots are drawn from.
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert all("images_per_second" in e for e in history if "loss" in e)
+    for name in ("training_curves", "validation_metrics", "throughput", "confusion_matrix_test"):
+        data = (out / f"{name}.png").read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5_000, name
+
+
+@pytest.mark.slow
+def test_wandb_offline_needs_no_account(cifar_like, tiny_vit, tmp_path, run_script, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
+    for key in ("WANDB_API_KEY", "WANDB_ENTITY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    try:
+        run_script(*tracked_run_args(cifar_like, tiny_vit, out, "--report_to", "wandb", "--plots", "false"))
+    finally:
+        wandb.finish()
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, "one offline run for training and the final evaluation"
+    logged = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
+    for key in (
+        b"train/images_per_second",
+        b"train/step_time_s",
+        b"train/grad_norm",
+        b"eval/accuracy",
+        b"test/accuracy",
+    ):
+        assert key in logged, key
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("trackio") is None, reason="trackio is not installed (pip install trackio)"
+)
+def test_trackio_logs_locally(cifar_like, tiny_vit, tmp_path, run_script, monkeypatch):
+    import sqlite3
+
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    out = tmp_path / "run"
+    run_script(
+        *tracked_run_args(
+            cifar_like, tiny_vit, out, "--report_to", "trackio", "--project", "vit-test", "--plots", "false"
+        )
+    )
+    database = sqlite3.connect(tmp_path / "trackio" / "vit-test.db")
+    rows = database.execute("select run_name, metrics from metrics").fetchall()
+    assert len({name for name, _ in rows}) == 1, "training and the final evaluation share one run"
+    logged = b" ".join(m if isinstance(m, bytes) else m.encode() for _, m in rows)
+    for key in (b"train/images_per_second", b"train/grad_norm", b"eval/accuracy", b"test/accuracy"):
+        assert key in logged, key

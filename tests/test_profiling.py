@@ -1,0 +1,234 @@
+"""Profiler traces (--profile_steps), their analysis (trace_analysis) and the DeepSpeed flops profile."""
+
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAST_ARGS, ROOT
+
+from vit_recipes import trace_analysis
+from vit_recipes.profiling import flops_profiler_output, keep_flops_profile
+
+SYNTHETIC_TRACES = ROOT / "tests/data/strategy_report/records/traces"  # hand-built GPU traces (test fixtures)
+REGIONS = {"data", "augment", "forward", "backward", "optimizer_step"}
+HAS_HTA = importlib.util.find_spec("hta") is not None
+
+
+def profiled_run_args(data, model, out, *extra):
+    return (
+        "--dataset_name",
+        data,
+        "--model_name_or_path",
+        model,
+        "--output_dir",
+        out,
+        "--do_train",
+        "true",
+        "--do_eval",
+        "false",
+        "--per_device_train_batch_size",
+        "8",
+        "--learning_rate",
+        "1e-3",
+        *FAST_ARGS,
+        "--plots",
+        "false",
+        *extra,
+    )
+
+
+def load_trace(path: Path) -> dict:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def why_it_failed(result: subprocess.CompletedProcess) -> str:
+    """The error lines of a failed launch (torchrun's own summary hides them at the end of stderr)."""
+    lines = (result.stdout + result.stderr).splitlines()
+    errors = [line for line in lines if "Error" in line or "error:" in line or "Traceback" in line]
+    return "\n".join(errors[-30:]) + "\n...\n" + "\n".join(lines[-40:])
+
+
+def assert_chrome_trace(trace: dict) -> None:
+    """What Perfetto / chrome://tracing need: traceEvents whose complete events have name, ph, ts, dur, pid, tid."""
+    events = trace["traceEvents"]
+    complete = [e for e in events if e.get("ph") == "X"]
+    assert complete
+    for event in complete:
+        assert {"name", "ts", "dur", "pid", "tid"} <= set(event), event
+        assert isinstance(event["ts"], (int, float)) and event["dur"] >= 0
+
+
+# --- Interval arithmetic used by the fallback analysis -----------------------------------------------------------
+
+
+def test_interval_arithmetic():
+    a = trace_analysis.merge([(0, 4), (2, 6), (8, 10), (10, 11)])
+    assert a == [(0, 6), (8, 11)]
+    assert trace_analysis.total(a) == 9
+    assert trace_analysis.intersect(a, [(5, 9)]) == [(5, 6), (8, 9)]
+    assert trace_analysis._subtract(a, [(1, 2), (9, 20)]) == [(0, 1), (2, 6), (8, 9)]
+
+
+# --- Two processes on the CPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_process_cpu_run_writes_one_trace_per_rank_and_a_report(cifar_like, tiny_vit, tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29_500 + os.getpid() % 1000),
+        str(ROOT / "run_image_classification.py"),
+        *map(str, profiled_run_args(cifar_like, tiny_vit, out, "--max_steps", "6", "--profile_steps", "3-4")),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
+    assert result.returncode == 0, why_it_failed(result)
+
+    profiler = out / "profiler"
+    traces = sorted(profiler.glob("rank*.pt.trace.json.gz"))
+    assert [p.name for p in traces] == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]
+    for rank, path in enumerate(traces):
+        trace = load_trace(path)
+        assert_chrome_trace(trace)
+        assert trace["distributedInfo"]["world_size"] == 2 and trace["distributedInfo"]["rank"] == rank
+        assert trace["vit_recipes_profile"] == {
+            "first_step": 3,
+            "last_step": 4,
+            "step_offset": 2,
+            "world_size": 2,
+            "rank": rank,
+        }
+        names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+        assert set(names) >= REGIONS, REGIONS - set(names)
+        assert sum(n.startswith("ProfilerStep#") for n in names) == 2  # steps 3 and 4 only
+        assert any(n.startswith("gloo:all_reduce") for n in names), "DDP's gradient all-reduce is in the trace"
+        assert (profiler / f"rank{rank}_ops.txt").read_text().count("aten::") > 5  # the profiler's own table
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    train_logs = [e for e in history if "loss" in e]
+    assert train_logs and all({"cpu_peak_rss_gib_rank0", "cpu_peak_rss_gib_rank1"} <= set(e) for e in train_logs)
+
+    report = tmp_path / "report" / "traces.md"
+    analysis = subprocess.run(
+        [sys.executable, "-m", "vit_recipes.trace_analysis", str(profiler), "--out", str(report)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert analysis.returncode == 0, analysis.stderr[-3000:]
+    text = report.read_text()
+    assert "backend gloo, world size 2; steps 3-4" in text
+    for rank in (0, 1):
+        assert f"| ddp | {rank} | 2 |" in text  # one breakdown row per rank, 2 profiled steps each
+    assert "fallback" in text  # CPU traces: HTA cannot analyse them, and the report says so
+    assert ("HTA could not analyse" if HAS_HTA else "not installed") in text
+    assert "gloo:all_reduce" in text
+    for name in ("breakdown", "regions", "top_ops"):
+        assert (report.parent / f"traces_{name}.png").stat().st_size > 5_000
+
+
+@pytest.mark.slow
+def test_training_that_ends_inside_the_window_still_writes_its_trace(cifar_like, tiny_vit, tmp_path, run_script):
+    out = tmp_path / "run"
+    run_script(*profiled_run_args(cifar_like, tiny_vit, out, "--max_steps", "3", "--profile_steps", "2-10"))
+    trace = load_trace(out / "profiler" / "rank0.pt.trace.json.gz")
+    steps = [e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")]
+    assert len(steps) == 2  # steps 2 and 3 were recorded before training ended
+    assert "distributedInfo" not in trace  # a single process
+
+
+# --- Analysis of GPU traces and the comparison of two runs ------------------------------------------------------
+
+
+def test_trace_report_compares_two_runs(tmp_path):
+    """Synthetic 2-rank GPU traces (tests/data, not measurements): ZeRO-3-like exposes more communication."""
+    out = tmp_path / "cmp.md"
+    trace_analysis.main(
+        [str(SYNTHETIC_TRACES / "ddp"), str(SYNTHETIC_TRACES / "zero3"), "--labels", "ddp", "zero3", "--out", str(out)]
+    )
+    text = out.read_text()
+    ddp = trace_analysis.analyze(SYNTHETIC_TRACES / "ddp", use_hta=False).summary()
+    zero3 = trace_analysis.analyze(SYNTHETIC_TRACES / "zero3", use_hta=False).summary()
+    for summary in (ddp, zero3):
+        parts = summary["compute_fraction"] + summary["exposed_comm_fraction"] + summary["idle_fraction"]
+        assert parts == pytest.approx(1.0)
+        assert summary["kind"] == "gpu" and summary["ranks"] == 2
+    assert zero3["exposed_comm_fraction"] > ddp["exposed_comm_fraction"]
+    assert zero3["overlap_pct"] < ddp["overlap_pct"]
+    assert "## Difference: zero3 vs ddp" in text
+    assert "| ncclDevKernel_AllReduce_Sum_bf16_RING_LL |" in text  # top kernels and the kernel diff
+    if HAS_HTA:
+        assert "### HolisticTraceAnalysis: ddp" in text and "### HolisticTraceAnalysis: zero3" in text
+        assert "COMMUNICATION" in text  # HTA's kernel-type breakdown
+    for name in ("breakdown", "regions", "top_ops"):
+        assert (tmp_path / f"cmp_{name}.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_no_hta_falls_back_and_says_so(tmp_path):
+    out = trace_analysis.main([str(SYNTHETIC_TRACES / "ddp"), "--no-hta", "--out", str(tmp_path / "r.md")])
+    text = out.read_text()
+    assert "trace JSON (fallback: HTA was switched off (--no-hta).)" in text
+    assert "HolisticTraceAnalysis:" not in text
+
+
+# --- DeepSpeed flops profiler ---------------------------------------------------------------------------------
+
+
+def test_flops_profile_is_kept_with_the_run(tmp_path, caplog):
+    assert flops_profiler_output({"flops_profiler": {"enabled": False, "output_file": "x"}}) is None
+    assert flops_profiler_output({"zero_optimization": {"stage": 2}}) is None
+    assert flops_profiler_output({"flops_profiler": {"enabled": True}}) is None  # stdout only: warned
+    assert "no output_file" in caplog.text
+    source = tmp_path / "flops.txt"
+    source.write_text("-------------------------- DeepSpeed Flops Profiler --------------------------\n")
+    assert flops_profiler_output({"flops_profiler": {"enabled": True, "output_file": str(source)}}) == str(source)
+    kept = keep_flops_profile(str(source), str(tmp_path / "out"))
+    assert Path(kept) == tmp_path / "out" / "profiler" / "deepspeed_flops_profile.txt"
+    assert "Flops Profiler" in Path(kept).read_text()
+    assert keep_flops_profile(str(tmp_path / "missing.txt"), str(tmp_path / "out")) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_flops_profiler_output_is_kept(cifar_like, tiny_vit, tmp_path):
+    config = {
+        "zero_optimization": {"stage": 0},
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "flops_profiler": {"enabled": True, "profile_step": 2, "output_file": str(tmp_path / "flops_profile.txt")},
+    }
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "1",
+        "--master_port",
+        str(30_500 + os.getpid() % 1000),
+        str(ROOT / "run_image_classification.py"),
+        *map(
+            str, profiled_run_args(cifar_like, tiny_vit, out, "--max_steps", "4", "--deepspeed", tmp_path / "ds.json")
+        ),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
+    assert result.returncode == 0, why_it_failed(result)
+    kept = (out / "profiler" / "deepspeed_flops_profile.txt").read_text()
+    assert "DeepSpeed Flops Profiler" in kept and "fwd flops per GPU" in kept
