@@ -11,6 +11,10 @@ DEMO_OUT ?= outputs/digits-vit
 .installed: setup.cfg pyproject.toml
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install -e ".[dev,demo]"
+# DeepSpeed without prebuilt ops and without build isolation: an isolated build would fetch a CUDA torch.
+	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.19.8"
+# CPU-only machines: compile DeepSpeed's shared-memory collective now, not in the first test (no-op on GPUs).
+	$(PYTHON) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	@touch .installed
 
 install: .installed

@@ -98,6 +98,14 @@ def test_cifar_like_parquet_folder(cifar_like):
     assert max(Counter(loaded.validation["labels"]).values()) == 1
 
 
+def test_evaluation_only_carves_the_same_validation(cifar_like):
+    trained = load_splits(data_args(cifar_like))
+    evaluated = load_splits(data_args(cifar_like), need_train=False)
+    assert evaluated.train is None
+    assert evaluated.validation["labels"] == trained.validation["labels"]
+    assert evaluated.label_names == trained.label_names
+
+
 def test_unknown_dataset_is_one_line():
     with pytest.raises(RecipeError, match="could not load 'nobody/no-such-dataset'|neither a local path"):
         load_splits(data_args("nobody/no-such-dataset"))

@@ -206,7 +206,8 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     """Load the dataset and return its train/validation/test splits with encoded labels."""
     source, preset = resolve_source(data_args.dataset_name)
     dataset_dict = load_any(source, data_args.dataset_config_name, cache_dir)
-    train_name = _split(dataset_dict, data_args.train_split_name if need_train else None, (), "train")
+    # Train is loaded for evaluation-only runs too: the same label mapping and the same carved validation split.
+    train_name = _split(dataset_dict, None, (data_args.train_split_name,), "train")
     if need_train and train_name is None:
         raise RecipeError(
             f"train split '{data_args.train_split_name}' does not exist; splits are: {', '.join(dataset_dict)}"
@@ -214,6 +215,8 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     val_name = _split(dataset_dict, data_args.validation_split_name, VALIDATION_SPLITS, "validation")
     test_name = _split(dataset_dict, data_args.test_split_name, ("test",), "test")
     used = [n for n in (train_name, val_name, test_name) if n]
+    if not used:
+        raise RecipeError(f"no train, validation or test split found; splits are: {', '.join(dataset_dict)}")
     dataset_dict = DatasetDict({n: dataset_dict[n] for n in dict.fromkeys(used)})
     for name, split in dataset_dict.items():
         if len(split) == 0:
@@ -243,6 +246,8 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     test = dataset_dict[test_name] if test_name else None
     if train is not None and validation is None:
         train, validation = carve_validation(train, data_args.validation_split_percentage, len(names), seed)
+    if not need_train:
+        train = None
     if train is not None and data_args.max_train_samples:
         train = train.shuffle(seed=seed).select(range(min(data_args.max_train_samples, len(train))))
     if data_args.max_eval_samples:

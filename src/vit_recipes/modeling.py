@@ -14,6 +14,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
 
 from .errors import RecipeError
+from .strategy import model_class_for, zero3_enabled, zero3_state_dict_for_new_head
 
 try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way
     from transformers import BitImageProcessorPil as BitImageProcessor
@@ -90,6 +91,7 @@ def build_model(model_args, label_names: list[str]):
     image_size = check_config(config, source)
     kwargs = {"config": config, "attn_implementation": model_args.attn_implementation}
     if pretrained:
+        loader, name = AutoModelForImageClassification.from_pretrained, source
         if not same_head:
             logger.info(
                 "Replacing the classification head: %s has %s labels, this dataset %d",
@@ -97,9 +99,15 @@ def build_model(model_args, label_names: list[str]):
                 old_labels,
                 len(label_names),
             )
+            if zero3_enabled():  # ZeRO-3 loading ignores ignore_mismatched_sizes: leave the old head out instead
+                state_dict = zero3_state_dict_for_new_head(
+                    source, config, model_args.model_revision, model_args.cache_dir
+                )
+                if state_dict is not None:  # transformers takes a state_dict instead of a name, not with one
+                    loader, name, kwargs["state_dict"] = model_class_for(config).from_pretrained, None, state_dict
         model = _quietly(
-            AutoModelForImageClassification.from_pretrained,
-            source,
+            loader,
+            name,
             revision=model_args.model_revision,
             cache_dir=model_args.cache_dir,
             ignore_mismatched_sizes=not same_head,

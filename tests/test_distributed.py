@@ -1,0 +1,728 @@
+"""Distributed strategies on the CPU: 2 processes over gloo, through `accelerate launch` and `deepspeed`.
+
+Every launched run writes a rank report (VIT_RECIPES_DEBUG_RANK_REPORT=1, see vit_recipes/strategy.py) and the
+tests assert on it: the world size, the wrapper the Trainer actually trained (DistributedDataParallel or
+DeepSpeedEngine), the ZeRO stage and how much of the parameters / optimizer states each rank holds. A launcher that
+silently fell back to one process or to plain DDP fails here. fp32, fixed seed, no random augmentation and the
+same global batch as the single-process baseline (8), so the per-step losses must match it within 1e-4.
+
+FSDP2 cannot shard on the CPU (the script refuses it there); benchmarks/gpu_strategies.sh proves it on GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, pattern_images, write_parquet_splits
+from safetensors.torch import load_file
+
+from vit_recipes.errors import RecipeError
+from vit_recipes.strategy import RANK_REPORT_DIR, RANK_REPORT_ENV
+
+CLASSES = 10
+STEPS = 20
+GLOBAL_BATCH = 8
+REL_TOL = 1e-4
+TIMEOUT = 420
+
+
+# ------------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def ten_classes(tmp_path_factory) -> Path:
+    """10 learnable classes of 16x16 images: train (20 per class) and validation (4 per class)."""
+    from datasets import ClassLabel, Features, Image
+    from PIL import Image as PILImage
+
+    features = Features({"image": Image(), "label": ClassLabel(names=[f"class_{i}" for i in range(CLASSES)])})
+    splits = {}
+    for name, per_class, seed in (("train", 20, 3), ("validation", 4, 4)):
+        labels = np.repeat(np.arange(CLASSES), per_class)
+        images = pattern_images(labels, 16, seed=seed)
+        splits[name] = {"image": [PILImage.fromarray(x) for x in images], "label": labels}
+    return write_parquet_splits(tmp_path_factory.mktemp("ten-classes"), splits, features)
+
+
+def _tiny_vit(path: Path, labels: int, names: bool) -> Path:
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=labels,
+    )
+    if names:
+        config.id2label = {i: f"class_{i}" for i in range(labels)}
+        config.label2id = {v: k for k, v in config.id2label.items()}
+    ViTForImageClassification(config).save_pretrained(path)
+    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def same_head_vit(tmp_path_factory) -> Path:
+    """A tiny ViT whose head already has the dataset's 10 labels: nothing is initialised randomly at load."""
+    return _tiny_vit(tmp_path_factory.mktemp("vit-10"), CLASSES, names=True)
+
+
+@pytest.fixture(scope="module")
+def new_head_vit(tmp_path_factory) -> Path:
+    """A tiny ViT with a 7-class head: the script replaces it (the path ZeRO-3 loading needs help with)."""
+    return _tiny_vit(tmp_path_factory.mktemp("vit-7"), 7, names=False)
+
+
+@pytest.fixture(autouse=True)
+def _forget_deepspeed_config():
+    """TrainingArguments(deepspeed=...) registers a process-global config; in-process tests must not leak it."""
+    yield
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
+def run_args(data, model, out, *extra, steps=STEPS):
+    return [
+        "--dataset_name",
+        str(data),
+        "--model_name_or_path",
+        str(model),
+        "--output_dir",
+        str(out),
+        "--do_train",
+        "true",
+        "--do_eval",
+        "true",
+        "--max_steps",
+        str(steps),
+        "--learning_rate",
+        "3e-3",
+        "--lr_scheduler_type",
+        "constant",
+        "--crop_scale_min",
+        "1",  # the device transforms draw from each rank's global RNG: no random augmentation for parity
+        "--hflip_prob",
+        "0",
+        "--per_device_eval_batch_size",
+        "20",  # 40 validation images = 2 full batches on 1 process, 1 on each of 2: no padded eval batch
+        "--dataloader_num_workers",
+        "0",
+        "--use_cpu",
+        "true",
+        "--report_to",
+        "none",
+        "--plots",
+        "false",
+        "--logging_steps",
+        "1",
+        "--eval_strategy",
+        "no",
+        "--save_strategy",
+        "no",
+        "--seed",
+        "42",
+        *map(str, extra),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tool(name: str) -> str:
+    """The console script installed next to this Python (`accelerate`, `deepspeed`)."""
+    local = Path(sys.executable).with_name(name)
+    return str(local) if local.exists() else (shutil.which(name) or name)
+
+
+def launch_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update({RANK_REPORT_ENV: "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, **extra)
+    return env
+
+
+def launch(name: str, command: list[str], env=None, cwd=ROOT) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=cwd, env=env or launch_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    if result.returncode != 0:
+        tail = (result.stdout + result.stderr)[-6000:]
+        pytest.fail(f"{name} exited {result.returncode}:\n{tail}")
+    return result
+
+
+def accelerate(config: str, *launch_flags, processes: int = 2) -> list[str]:
+    return [
+        tool("accelerate"),
+        "launch",
+        "--config_file",
+        f"accelerate_configs/{config}",
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(free_port()),
+        *map(str, launch_flags),
+        "run_image_classification.py",
+    ]
+
+
+def deepspeed(processes: int = 2) -> list[str]:
+    return [
+        tool("deepspeed"),
+        "--num_gpus",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        "run_image_classification.py",
+    ]
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+
+def losses(out: Path) -> list[float]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def reports(out: Path, world: int = 2) -> list[dict]:
+    files = sorted((out / RANK_REPORT_DIR).glob("rank*.json"))
+    found = [json.loads(f.read_text()) for f in files]
+    assert sorted(r["rank"] for r in found) == list(range(world)), f"rank reports: {[f.name for f in files]}"
+    for r in found:
+        assert r["world_size"] == world and r["args_world_size"] == world, r
+        assert r["global_step"] > 0
+    return found
+
+
+def assert_sharded(found: list[dict], *, params: bool, optimizer: bool) -> None:
+    """Each rank holds about 1/world of what is sharded, and together they hold all of it."""
+    world = len(found)
+    full = found[0]["param_numel_full"]
+    for kind, sharded in (("param_numel_local", params), ("optimizer_state_numel_local", optimizer)):
+        local = [r[kind] for r in found]
+        if sharded:
+            assert all(n <= full / world + 64 for n in local), (kind, local, full)  # + alignment padding
+            assert sum(local) >= full, (kind, local, full)
+        else:
+            assert all(n == full for n in local), (kind, local, full)
+
+
+def assert_parity(out: Path, baseline: Path) -> None:
+    ours, theirs = losses(out), losses(baseline)
+    assert len(ours) == len(theirs) == STEPS
+    np.testing.assert_allclose(ours, theirs, rtol=REL_TOL, err_msg=f"per-step losses of {out.name} vs single")
+    a, b = load_file(out / "model.safetensors"), load_file(baseline / "model.safetensors")
+    assert set(a) == set(b)
+    for key in a:  # 20 Adam steps amplify float-order noise on near-zero gradients: loose, still catches bugs
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-3, msg=key)  # seen: <= 1.1e-4
+
+
+def assert_reloads_and_scores_the_same(out: Path, data: Path, tmp_path: Path, run_script) -> None:
+    """The saved folder is a plain model: from_pretrained without DeepSpeed/FSDP scores what the run reported."""
+    assert (out / "model.safetensors").is_file() and not list(out.glob("pytorch_model*.bin"))
+    reported = json.loads((out / "all_results.json").read_text())
+    again = run_script(*run_args(data, out, tmp_path / f"reeval-{out.name}", "--do_train", "false"))
+    assert again["eval_accuracy"] == pytest.approx(reported["eval_accuracy"], abs=1e-9)
+    assert again["eval_loss"] == pytest.approx(reported["eval_loss"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def baseline(ten_classes, same_head_vit, tmp_path_factory) -> Path:
+    """One process, per-device batch 8 = the global batch of every 2-process run below."""
+    import run_image_classification
+
+    out = tmp_path_factory.mktemp("single") / "run"
+    run_image_classification.main(
+        run_args(ten_classes, same_head_vit, out, "--per_device_train_batch_size", GLOBAL_BATCH)
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------- launched runs
+
+
+@pytest.mark.slow
+def test_ddp_through_accelerate(ten_classes, same_head_vit, baseline, tmp_path, run_script):
+    out = tmp_path / "ddp"
+    launch(
+        "ddp (accelerate)",
+        accelerate("ddp.yaml", "--mixed_precision", "no")
+        + run_args(ten_classes, same_head_vit, out, "--per_device_train_batch_size", 4),
+    )
+    found = reports(out)
+    for r in found:
+        assert r["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel", r
+        assert r["distributed_type"] == "MULTI_CPU" and r["backend"] == "gloo" and not r["is_deepspeed_enabled"]
+    assert_sharded(found, params=False, optimizer=False)
+    assert_parity(out, baseline)
+    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
+
+
+@pytest.mark.slow
+def test_zero1_through_deepspeed_with_accumulation(ten_classes, same_head_vit, baseline, tmp_path, run_script):
+    """`deepspeed ... --deepspeed ds_configs/zero1.json`, per-device 2 x accumulation 2 x 2 processes = 8."""
+    out = tmp_path / "zero1"
+    launch(
+        "zero1 (deepspeed, accumulation 2)",
+        deepspeed()
+        + run_args(
+            ten_classes,
+            same_head_vit,
+            out,
+            "--deepspeed",
+            "ds_configs/zero1.json",
+            "--per_device_train_batch_size",
+            2,
+            "--gradient_accumulation_steps",
+            2,
+        ),
+    )
+    found = reports(out)
+    for r in found:
+        assert r["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine" and r["zero_stage"] == 1, r
+        assert not r["gradients_partitioned"] and r["gradient_accumulation_steps"] == 2
+    assert_sharded(found, params=False, optimizer=True)
+    assert_parity(out, baseline)
+    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
+
+
+@pytest.fixture(scope="module")
+def zero2_run(ten_classes, same_head_vit, tmp_path_factory) -> Path:
+    """`accelerate launch --config_file accelerate_configs/zero2.yaml`, checkpointing at steps 10 and 20."""
+    out = tmp_path_factory.mktemp("zero2") / "run"
+    launch(
+        "zero2 (accelerate, checkpoints)",
+        accelerate("zero2.yaml")
+        + run_args(
+            ten_classes,
+            same_head_vit,
+            out,
+            "--per_device_train_batch_size",
+            4,
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            10,
+        ),
+    )
+    return out
+
+
+@pytest.mark.slow
+def test_zero2_through_accelerate(zero2_run, ten_classes, baseline, tmp_path, run_script):
+    found = reports(zero2_run)
+    for r in found:
+        assert r["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine" and r["zero_stage"] == 2, r
+        assert r["distributed_type"] == "DEEPSPEED" and r["gradients_partitioned"]
+    assert_sharded(found, params=False, optimizer=True)
+    assert_parity(zero2_run, baseline)
+    assert_reloads_and_scores_the_same(zero2_run, ten_classes, tmp_path, run_script)
+
+
+@pytest.mark.slow
+def test_zero2_resume_matches_uninterrupted_run(zero2_run, ten_classes, same_head_vit, tmp_path, run_script):
+    """Stopped after step 10 (its checkpoint alone), resumed with the `deepspeed` launcher: same final weights.
+
+    Then the same checkpoint with one process is refused before training: ZeRO shards record their world size.
+    """
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    shutil.copytree(zero2_run / "checkpoint-10", stopped / "checkpoint-10")
+    shutil.copy(zero2_run / "run_config.json", stopped / "run_config.json")
+    launch(
+        "zero2 resume (deepspeed)",
+        deepspeed()
+        + run_args(
+            ten_classes,
+            same_head_vit,
+            stopped,
+            "--deepspeed",
+            "ds_configs/zero2.json",
+            "--per_device_train_batch_size",
+            4,
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            10,
+        ),
+    )
+    state = json.loads((stopped / "trainer_state.json").read_text())
+    assert state["global_step"] == STEPS
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == list(range(1, STEPS + 1))
+    assert not (stopped / "checkpoint-10" / "global_step20").exists() and (stopped / "checkpoint-20").is_dir()
+    np.testing.assert_allclose(losses(stopped)[10:], losses(zero2_run)[10:], rtol=REL_TOL)  # steps 11-20 re-run
+    a, b = load_file(stopped / "model.safetensors"), load_file(zero2_run / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+    one = tmp_path / "one-process"
+    one.mkdir()
+    shutil.copytree(zero2_run / "checkpoint-10", one / "checkpoint-10")
+    shutil.copy(zero2_run / "run_config.json", one / "run_config.json")
+    args = run_args(ten_classes, same_head_vit, one, "--deepspeed", "ds_configs/zero2.json")
+    with pytest.raises(RecipeError, match="written by 2 DeepSpeed processes and this run has 1"):
+        run_script(*args, "--per_device_train_batch_size", 8)
+    assert not (one / "trainer_state.json").exists(), "refused before training"
+
+
+@pytest.mark.slow
+def test_zero3_through_deepspeed_with_checkpointing(ten_classes, same_head_vit, baseline, tmp_path, run_script):
+    out = tmp_path / "zero3"
+    launch(
+        "zero3 (deepspeed, gradient checkpointing)",
+        deepspeed()
+        + run_args(
+            ten_classes,
+            same_head_vit,
+            out,
+            "--deepspeed",
+            "ds_configs/zero3.json",
+            "--per_device_train_batch_size",
+            4,
+            "--gradient_checkpointing",
+            "true",
+        ),
+    )
+    found = reports(out)
+    for r in found:
+        assert r["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine" and r["zero_stage"] == 3, r
+        assert r["gradient_checkpointing"], r
+    assert_sharded(found, params=True, optimizer=True)
+    assert_parity(out, baseline)
+    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
+
+
+def with_torch_adamw(name: str, tmp_path: Path) -> Path:
+    """ds_configs/NAME.json keeping torch's AdamW: the shipped offload files use DeepSpeedCPUAdam, whose C++ build
+    alone takes minutes on a 2-core CI machine. Offloading itself is unchanged."""
+    config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    config.pop("optimizer")
+    config["zero_force_ds_cpu_optimizer"] = False
+    path = tmp_path / f"{name}_torch_adamw.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.slow
+def test_zero2_offload_through_deepspeed(ten_classes, same_head_vit, baseline, tmp_path, run_script):
+    out = tmp_path / "zero2-offload"
+    launch(
+        "zero2 offload (deepspeed)",
+        deepspeed()
+        + run_args(
+            ten_classes,
+            same_head_vit,
+            out,
+            "--deepspeed",
+            with_torch_adamw("zero2_offload", tmp_path),
+            "--per_device_train_batch_size",
+            4,
+        ),
+    )
+    found = reports(out)
+    for r in found:
+        assert r["zero_stage"] == 2 and r["offload_optimizer"] and not r["offload_param"], r
+        assert r["optimizer_state_device"] == "cpu", r
+    assert_sharded(found, params=False, optimizer=True)
+    assert_parity(out, baseline)
+    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
+
+
+@pytest.mark.slow
+def test_zero3_offload_through_accelerate(ten_classes, same_head_vit, baseline, tmp_path, run_script):
+    """accelerate_configs/zero3_offload.yaml, its JSON swapped on the command line (--deepspeed_config_file)."""
+    out = tmp_path / "zero3-offload"
+    launch(
+        "zero3 offload (accelerate)",
+        accelerate("zero3_offload.yaml", "--deepspeed_config_file", with_torch_adamw("zero3_offload", tmp_path))
+        + run_args(ten_classes, same_head_vit, out, "--per_device_train_batch_size", 4),
+    )
+    found = reports(out)
+    for r in found:
+        assert r["zero_stage"] == 3 and r["offload_optimizer"] and r["offload_param"], r
+        assert r["optimizer_state_device"] == "cpu", r
+    assert_sharded(found, params=True, optimizer=True)
+    assert_parity(out, baseline)
+    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
+
+
+@pytest.mark.slow
+def test_two_machines_over_loopback_with_the_slurm_script(ten_classes, new_head_vit, tmp_path):
+    """scripts/slurm/train.sbatch with a stand-in `srun` that starts its one task per "node" on this host.
+
+    Two machines of one process each, ZeRO-3 through accelerate's multi-node flags (machine rank and main address
+    from SLURM), starting from a checkpoint whose head is replaced: the backbone must arrive intact (learning rate
+    ~0) even though ZeRO-3 loads through deepspeed.zero.Init.
+    """
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n# stand-in: one task per node, all on this host\n"
+        'while [[ "$1" == --* ]]; do shift; done\n'
+        'pids=(); for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_PROCID=$i SLURM_NODEID=$i "$@" & pids+=($!); done\n'
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc\n'
+    )
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "two-nodes"
+    env = launch_env(
+        PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="node[1-2]",
+        GPUS_PER_NODE="1",
+        MASTER_PORT=str(free_port()),
+        ACCELERATE_CONFIG="accelerate_configs/zero3.yaml",
+    )
+    args = run_args(ten_classes, new_head_vit, out, "--per_device_train_batch_size", 4, steps=2)
+    args[args.index("--learning_rate") + 1] = "1e-12"
+    launch("2 machines x 1 process, zero3 (slurm script)", ["bash", "scripts/slurm/train.sbatch", *args], env=env)
+    found = reports(out)
+    assert {r["rank"] for r in found} == {0, 1}
+    for r in found:
+        assert r["zero_stage"] == 3 and r["wrapper"].endswith("DeepSpeedEngine"), r
+    assert_sharded(found, params=True, optimizer=True)
+    saved, original = load_file(out / "model.safetensors"), load_file(new_head_vit / "model.safetensors")
+    assert saved["classifier.weight"].shape == (CLASSES, 32) and saved["classifier.weight"].abs().sum() > 0
+    backbone = [k for k in original if not k.startswith("classifier.")]
+    assert backbone and set(backbone) <= set(saved)
+    for key in backbone:
+        torch.testing.assert_close(saved[key], original[key], rtol=0, atol=1e-6, msg=key)
+
+
+# ------------------------------------------------------------------------------- bad input: one line each
+
+
+def parse(*extra, data="data", model="model", out="out"):
+    from vit_recipes.arguments import parse_args
+
+    return parse_args(
+        ["--dataset_name", data, "--model_name_or_path", str(model), "--output_dir", str(out), "--report_to", "none"]
+        + list(map(str, extra))
+    )
+
+
+def check(*extra, **kwargs):
+    from vit_recipes.strategy import check_strategy
+
+    args = parse(*extra, **kwargs)
+    return check_strategy(args), args
+
+
+def ds_file(tmp_path, **changes) -> Path:
+    config = json.loads((ROOT / "ds_configs/zero2.json").read_text())
+    for dotted, value in changes.items():
+        node = config
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_deepspeed_config_conflicts_with_the_arguments(tmp_path):
+    fixed = ds_file(tmp_path, train_micro_batch_size_per_gpu=8)
+    with pytest.raises(RecipeError) as err:
+        check("--deepspeed", fixed, "--use_cpu", "true", "--per_device_train_batch_size", 16)
+    message = str(err.value)
+    assert "train_micro_batch_size_per_gpu=8 vs --per_device_train_batch_size 16" in message
+    assert '"auto"' in message and "\n" not in message
+    check("--deepspeed", fixed, "--use_cpu", "true", "--per_device_train_batch_size", 8)  # matching: fine
+
+
+def test_fixed_bf16_in_the_deepspeed_config_conflicts_with_fp16(tmp_path, monkeypatch):
+    from vit_recipes import strategy
+
+    monkeypatch.setattr(strategy, "_on_cpu", lambda t: False)  # as on a GPU: fp16 itself is fine there
+    fixed = ds_file(tmp_path, bf16__enabled=True)
+    with pytest.raises(RecipeError, match=r"bf16.enabled=true vs --bf16 false"):
+        check("--deepspeed", fixed, "--use_cpu", "true", "--fp16", "true")
+
+
+def test_fp16_on_the_cpu_is_refused():
+    with pytest.raises(RecipeError, match="fp16 needs a GPU"):
+        check("--use_cpu", "true", "--fp16", "true")
+
+
+def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
+    from vit_recipes import strategy
+
+    monkeypatch.setattr(strategy, "_on_cpu", lambda t: False)
+    monkeypatch.setattr(strategy, "_gpu_bf16_ok", lambda: False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what accelerate_configs/ddp.yaml sets
+    with pytest.raises(RecipeError, match="bf16 is not supported by this GPU"):
+        check("--use_cpu", "true")
+
+
+def test_more_processes_than_gpus_is_refused_before_parsing(monkeypatch):
+    from vit_recipes.strategy import check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RecipeError, match="4 processes on this machine but only 2 GPU"):
+        check_launch(["--output_dir", "x"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RecipeError, match="no GPU: each would train alone"):
+        check_launch(["--output_dir", "x"])
+    check_launch(["--output_dir", "x", "--use_cpu", "true"])  # CPU processes over gloo: fine
+    check_launch(["--output_dir", "x", "--use_cpu"])
+
+
+def test_deepspeed_and_fsdp_together_are_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match="both DeepSpeed .* and FSDP are configured"):
+        check("--deepspeed", ROOT / "ds_configs/zero2.json", "--use_cpu", "true")
+
+
+def test_fsdp_on_the_cpu_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match="FSDP needs GPUs"):
+        check("--use_cpu", "true")
+
+
+def test_fsdp_turns_gradient_checkpointing_into_its_own(monkeypatch):
+    from vit_recipes import strategy
+
+    monkeypatch.setattr(strategy, "_on_cpu", lambda t: False)
+    monkeypatch.setattr(strategy, "_gpu_bf16_ok", lambda: True)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "false")
+    found, args = check("--use_cpu", "true", "--gradient_checkpointing", "true")
+    assert found.fsdp and found.fsdp_activation_checkpointing
+    assert os.environ["FSDP_ACTIVATION_CHECKPOINTING"] == "true"
+    assert not args.training.gradient_checkpointing  # no second checkpointing pass inside FSDP's
+
+
+def test_deepspeed_with_accelerates_cpu_mode_or_mixed_precision_flag_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs/zero2.json"))
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(RecipeError, match="pass --use_cpu true to the script instead"):
+        check("--use_cpu", "true")
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(RecipeError, match="pass --bf16 true to the script"):
+        check("--use_cpu", "true")
+
+
+def test_offload_without_enough_host_memory_is_refused(tmp_path, monkeypatch):
+    import psutil
+
+    model = _tiny_vit(tmp_path / "vit", CLASSES, names=True)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": 1024})())
+    for config in ("zero3_offload.json", "zero2_offload.json"):
+        with pytest.raises(RecipeError, match=r"offload needs about .* GiB of host memory .* is available"):
+            check("--deepspeed", ROOT / "ds_configs" / config, "--use_cpu", "true", model=model)
+    check("--deepspeed", ROOT / "ds_configs/zero3.json", "--use_cpu", "true", model=model)  # no offload: no check
+
+
+def fake_deepspeed_checkpoint(folder: Path, world: int) -> Path:
+    step = folder / "checkpoint-10"
+    (step / "global_step10").mkdir(parents=True)
+    (step / "latest").write_text("global_step10")
+    (step / "trainer_state.json").write_text("{}")
+    for rank in range(world):
+        (step / "global_step10" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    return step
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path):
+    from vit_recipes.strategy import check_resume, deepspeed_checkpoint_world_size
+
+    checkpoint = fake_deepspeed_checkpoint(tmp_path, world=4)
+    assert deepspeed_checkpoint_world_size(checkpoint) == 4
+    args = parse("--deepspeed", ROOT / "ds_configs/zero2.json", "--use_cpu", "true")
+    with pytest.raises(RecipeError, match="written by 4 DeepSpeed processes and this run has 1"):
+        check_resume(args.training, str(checkpoint))
+    plain = parse("--use_cpu", "true")
+    with pytest.raises(RecipeError, match="is a DeepSpeed checkpoint"):
+        check_resume(plain.training, str(checkpoint))
+    check_resume(plain.training, None)
+
+
+def test_conflict_stops_the_script_before_any_work(tmp_path, same_head_vit, run_script):
+    fixed = ds_file(tmp_path, gradient_accumulation_steps=4)
+    out = tmp_path / "out"
+    with pytest.raises(RecipeError, match="gradient_accumulation_steps=4 vs --gradient_accumulation_steps 1"):
+        run_script("--deepspeed", fixed, *run_args("./no/such/data", same_head_vit, out))  # data never read
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------- config files
+
+DS_JSONS = sorted((ROOT / "ds_configs").glob("*.json"))
+YAMLS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", DS_JSONS, ids=[p.name for p in DS_JSONS])
+def test_deepspeed_configs_let_the_arguments_decide(path):
+    config = json.loads(path.read_text())
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        assert config[key] == "auto", key
+    assert config["gradient_clipping"] == "auto"
+    assert config["bf16"]["enabled"] == "auto" and config["fp16"]["enabled"] == "auto"
+    assert config["fp16"]["loss_scale"] == 0, "fp16 uses dynamic loss scaling"
+    zero = config["zero_optimization"]
+    if zero["stage"] == 3:
+        assert zero["stage3_gather_16bit_weights_on_model_save"] is True, "save a plain model"
+    if "offload" in path.stem:
+        assert zero["offload_optimizer"]["device"] == "cpu"
+        assert (zero.get("offload_param", {}).get("device") == "cpu") == (zero["stage"] == 3)
+    if "optimizer" in config:
+        assert all(v == "auto" for v in config["optimizer"]["params"].values())
+    if path.stem == "zeropp":
+        assert zero["zero_quantized_weights"] and zero["zero_quantized_gradients"]
+        assert zero["zero_hpz_partition_size"] > 1
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[p.name for p in YAMLS])
+def test_accelerate_configs_load_and_deepspeed_ones_point_to_their_json(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert config.compute_environment.value == "LOCAL_MACHINE" and not config.use_cpu
+    if config.distributed_type.value == "DEEPSPEED":
+        ds = config.deepspeed_config
+        json_file = ROOT / ds["deepspeed_config_file"]
+        assert json_file.is_file() and json_file.stem == path.stem, "one source of truth: the YAML names its JSON"
+        assert set(ds) <= {"deepspeed_config_file", "deepspeed_multinode_launcher"}, "no field repeated in YAML"
+        assert config.mixed_precision in (None, "no"), "precision comes from the JSON ('auto' = the arguments)"
+    if config.distributed_type.value == "FSDP":
+        fsdp = config.fsdp_config
+        assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert fsdp["fsdp_reshard_after_forward"] is True and fsdp["fsdp_activation_checkpointing"] is True
+        assert fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+        assert fsdp["fsdp_offload_params"] is (path.stem == "fsdp_offload")
+    if path.stem == "multinode":
+        assert config.num_machines == 2 and config.main_process_ip and config.main_process_port
+
+
+def test_fsdp_wraps_layers_that_exist_in_vit():
+    """fsdp.yaml names no class: accelerate wraps the model's _no_split_modules, which must exist in the model."""
+    from accelerate.utils.dataclasses import get_module_class_from_name
+    from transformers import ViTConfig, ViTForImageClassification
+
+    model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
+    assert "ViTLayer" in model._no_split_modules
+    for name in model._no_split_modules:
+        assert get_module_class_from_name(model, name) is not None, name
