@@ -338,8 +338,22 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
         f'classifier = pipeline("image-classification", model="{info.model_name}")\n'
         'print(classifier("path/to/image.jpg"))\n```'
     )
-    if info.library_name == "peft":
-        usage += "\n\nThis repo holds a PEFT adapter: loading it also needs `pip install peft`."
+    if info.library_name == "peft":  # the base with this repo's labels, then the adapter (docs/lora.md)
+        base = info.base_model or info.base_model_source or "BASE_MODEL"
+        usage = (
+            "## How to use\n\nThis repo holds a LoRA adapter for "
+            f"`{base}` (the classifier head included): loading it needs `pip install peft`.\n\n"
+            "```python\nfrom peft import PeftModel\n"
+            "from transformers import AutoConfig, AutoModelForImageClassification, pipeline\n\n"
+            f'config = AutoConfig.from_pretrained("{base}")\n'
+            f'labels = AutoConfig.from_pretrained("{info.model_name}")\n'
+            "config.num_labels, config.id2label, config.label2id = labels.num_labels, labels.id2label, labels.label2id\n"
+            f'base = AutoModelForImageClassification.from_pretrained("{base}", config=config, '
+            "ignore_mismatched_sizes=True)\n"
+            f'model = PeftModel.from_pretrained(base, "{info.model_name}").merge_and_unload()\n'
+            f'classifier = pipeline("image-classification", model=model, image_processor="{info.model_name}")\n'
+            'print(classifier("path/to/image.jpg"))\n```'
+        )
     parts.append(usage)
     return "\n\n".join(parts) + "\n"
 
