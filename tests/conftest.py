@@ -115,3 +115,27 @@ FAST_ARGS = (
     "--eval_strategy",
     "no",
 )
+
+
+def run_args(data, model, out, *extra) -> tuple:
+    """A tiny CPU training run of the script; `extra` flags come last and win."""
+    return (
+        "--dataset_name",
+        data,
+        "--model_name_or_path",
+        model,
+        "--output_dir",
+        out,
+        "--do_train",
+        "true",
+        "--do_eval",
+        "true",
+        "--per_device_train_batch_size",
+        "8",
+        "--per_device_eval_batch_size",
+        "64",
+        "--learning_rate",
+        "1e-3",
+        *FAST_ARGS,
+        *extra,
+    )

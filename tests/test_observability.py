@@ -5,7 +5,7 @@ import json
 import logging
 
 import pytest
-from conftest import FAST_ARGS
+from conftest import run_args
 
 from vit_recipes.arguments import parse_args
 from vit_recipes.errors import RecipeError
@@ -15,27 +15,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def tracked_run_args(data, model, out, *extra):
-    """Like test_script's tiny run, with FAST_ARGS' report_to/logging/eval overridden (later flags win)."""
-    return (
-        "--dataset_name",
+    """A tiny run logging every 2 steps and evaluating every 3."""
+    return run_args(
         data,
-        "--model_name_or_path",
         model,
-        "--output_dir",
         out,
-        "--do_train",
-        "true",
-        "--do_eval",
-        "true",
-        "--per_device_train_batch_size",
-        "8",
-        "--per_device_eval_batch_size",
-        "64",
-        "--learning_rate",
-        "1e-3",
         "--max_steps",
         "6",
-        *FAST_ARGS,
         "--logging_steps",
         "2",
         "--eval_strategy",

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST_ARGS, ROOT
+from conftest import ROOT, run_args
 
 from vit_recipes import trace_analysis
 from vit_recipes.profiling import flops_profiler_output, keep_flops_profile
@@ -20,26 +20,7 @@ HAS_HTA = importlib.util.find_spec("hta") is not None
 
 
 def profiled_run_args(data, model, out, *extra):
-    return (
-        "--dataset_name",
-        data,
-        "--model_name_or_path",
-        model,
-        "--output_dir",
-        out,
-        "--do_train",
-        "true",
-        "--do_eval",
-        "false",
-        "--per_device_train_batch_size",
-        "8",
-        "--learning_rate",
-        "1e-3",
-        *FAST_ARGS,
-        "--plots",
-        "false",
-        *extra,
-    )
+    return run_args(data, model, out, "--do_eval", "false", "--plots", "false", *extra)
 
 
 def load_trace(path: Path) -> dict:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import FAST_ARGS, ROOT
+from conftest import ROOT, run_args
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
@@ -17,30 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def tiny_run_args(data, model, out, *extra):
-    return (
-        "--dataset_name",
-        data,
-        "--model_name_or_path",
-        model,
-        "--output_dir",
-        out,
-        "--do_train",
-        "true",
-        "--do_eval",
-        "true",
-        "--per_device_train_batch_size",
-        "8",
-        "--per_device_eval_batch_size",
-        "64",
-        "--learning_rate",
-        "1e-3",
-        "--lr_scheduler_type",
-        "constant",
-        "--crop_scale_min",
-        "0.5",
-        *FAST_ARGS,
-        *extra,
-    )
+    return run_args(data, model, out, "--lr_scheduler_type", "constant", "--crop_scale_min", "0.5", *extra)
 
 
 def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, run_script):
