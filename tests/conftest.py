@@ -68,9 +68,8 @@ def digits_dir(tmp_path_factory) -> Path:
     return build_digits(tmp_path_factory.mktemp("digits"))
 
 
-@pytest.fixture(scope="session")
-def tiny_vit(tmp_path_factory) -> Path:
-    """A randomly initialised ViT (16x16 input, 4x4 patches) saved like a Hub checkpoint, with a 7-class head."""
+def save_tiny_vit(path: Path, num_labels: int = 7, label_names: bool = False) -> Path:
+    """A randomly initialised ViT (16x16 input, 4x4 patches) saved like a Hub checkpoint."""
     import torch
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
@@ -82,12 +81,20 @@ def tiny_vit(tmp_path_factory) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,
-        num_labels=7,
+        num_labels=num_labels,
     )
-    path = tmp_path_factory.mktemp("tiny-vit")
+    if label_names:
+        config.id2label = {i: f"class_{i}" for i in range(num_labels)}
+        config.label2id = {v: k for k, v in config.id2label.items()}
     ViTForImageClassification(config).save_pretrained(path)
     ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_vit(tmp_path_factory) -> Path:
+    """A tiny ViT with a 7-class head (datasets here have other classes: the script replaces it)."""
+    return save_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
 
 
 @pytest.fixture

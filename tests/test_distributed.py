@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, pattern_images, write_parquet_splits
+from conftest import ROOT, pattern_images, save_tiny_vit, write_parquet_splits
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
@@ -53,37 +53,16 @@ def ten_classes(tmp_path_factory) -> Path:
     return write_parquet_splits(tmp_path_factory.mktemp("ten-classes"), splits, features)
 
 
-def _tiny_vit(path: Path, labels: int, names: bool) -> Path:
-    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
-
-    torch.manual_seed(0)
-    config = ViTConfig(
-        image_size=16,
-        patch_size=4,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=labels,
-    )
-    if names:
-        config.id2label = {i: f"class_{i}" for i in range(labels)}
-        config.label2id = {v: k for k, v in config.id2label.items()}
-    ViTForImageClassification(config).save_pretrained(path)
-    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def same_head_vit(tmp_path_factory) -> Path:
     """A tiny ViT whose head already has the dataset's 10 labels: nothing is initialised randomly at load."""
-    return _tiny_vit(tmp_path_factory.mktemp("vit-10"), CLASSES, names=True)
+    return save_tiny_vit(tmp_path_factory.mktemp("vit-10"), CLASSES, label_names=True)
 
 
 @pytest.fixture(scope="module")
 def new_head_vit(tmp_path_factory) -> Path:
     """A tiny ViT with a 7-class head: the script replaces it (the path ZeRO-3 loading needs help with)."""
-    return _tiny_vit(tmp_path_factory.mktemp("vit-7"), 7, names=False)
+    return save_tiny_vit(tmp_path_factory.mktemp("vit-7"), 7)
 
 
 @pytest.fixture(autouse=True)
@@ -628,7 +607,7 @@ def test_deepspeed_with_accelerates_cpu_mode_or_mixed_precision_flag_is_refused(
 def test_offload_without_enough_host_memory_is_refused(tmp_path, monkeypatch):
     import psutil
 
-    model = _tiny_vit(tmp_path / "vit", CLASSES, names=True)
+    model = save_tiny_vit(tmp_path / "vit", CLASSES, label_names=True)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": 1024})())
     for config in ("zero3_offload.json", "zero2_offload.json"):
         with pytest.raises(RecipeError, match=r"offload needs about .* GiB of host memory .* is available"):
