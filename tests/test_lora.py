@@ -406,7 +406,9 @@ def fake_hub(monkeypatch):
 
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
     monkeypatch.setenv("HF_TOKEN", "hf_" + "Fake" * 8)
+    # CI exports both offline switches; pushing (to the fake API) needs both off.
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     return pushes
 

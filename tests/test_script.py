@@ -174,7 +174,7 @@ def test_bad_input_exits_with_one_line(tmp_path, tiny_vit):
     assert result.stderr.strip().splitlines()[-1] == "error: dataset path not found: ./no/such/folder"
     # push without a token fails before any data is loaded (the dataset path is bad too, and is never reached)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
-    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0")
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0", TRANSFORMERS_OFFLINE="0")
     result = script(
         "--dataset_name",
         "./no/such/folder",
