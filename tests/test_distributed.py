@@ -6,7 +6,10 @@ DeepSpeedEngine), the ZeRO stage and how much of the parameters / optimizer stat
 silently fell back to one process or to plain DDP fails here. fp32, fixed seed, no random augmentation and the
 same global batch as the single-process baseline (8), so the per-step losses must match it within 1e-4.
 
-FSDP2 cannot shard on the CPU (the script refuses it there); benchmarks/gpu_strategies.sh proves it on GPUs.
+accelerate runs FSDP2 only on GPUs (the script refuses it on the CPU), but torch's fully_shard shards over gloo: the
+FSDP2 tests apply accelerate's own FSDP2 preparation, configured by `accelerate launch` from our YAMLs, to a tiny ViT
+in 2 processes (tests/fsdp2_cpu_worker.py). The whole script under FSDP2 is proven on GPUs
+(benchmarks/gpu_strategies.sh).
 """
 
 from __future__ import annotations
@@ -144,7 +147,7 @@ def launch(name: str, command: list[str], env=None, cwd=ROOT) -> subprocess.Comp
     return result
 
 
-def accelerate(config: str, *launch_flags, processes: int = 2) -> list[str]:
+def accelerate(config: str, *launch_flags, processes: int = 2, script="run_image_classification.py") -> list[str]:
     return [
         tool("accelerate"),
         "launch",
@@ -155,7 +158,7 @@ def accelerate(config: str, *launch_flags, processes: int = 2) -> list[str]:
         "--main_process_port",
         str(free_port()),
         *map(str, launch_flags),
-        "run_image_classification.py",
+        str(script),
     ]
 
 
@@ -592,6 +595,72 @@ def test_fsdp_turns_gradient_checkpointing_into_its_own(monkeypatch):
     assert not args.training.gradient_checkpointing  # no second checkpointing pass inside FSDP's
 
 
+def single_process_losses(model_dir: Path, steps: int) -> list[float]:
+    """The FSDP2 worker's loop in one process on the whole batch: the reference its sharded losses must match."""
+    from fsdp2_cpu_worker import fixed_batches
+    from transformers import ViTForImageClassification
+
+    model = ViTForImageClassification.from_pretrained(model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    losses = []
+    for pixels, labels in fixed_batches(model.config, steps):
+        loss = model(pixel_values=pixels, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+def test_fsdp2_config_really_shards_vit(same_head_vit, tmp_path):
+    """fsdp.yaml, through `accelerate launch` and accelerate's own FSDP2 preparation, shards every ViT parameter in
+    two halves (each layer checkpointed, patch embedding, root) and trains to the single-process losses.
+
+    accelerate's default wrap list (ViTLayer + ViTEmbeddings) crashed here and on GPUs; the YAMLs name ViTLayer.
+    fsdp_offload.yaml cannot run here (torch's CPUOffloadPolicy needs an accelerator): proven on GPUs only.
+    """
+    config = "fsdp.yaml"
+    steps = 4
+    launch(
+        f"FSDP2 layout with {config}",
+        accelerate(config, "--mixed_precision", "no", script="tests/fsdp2_cpu_worker.py")
+        + [str(same_head_vit), str(tmp_path), str(steps)],
+    )
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    expected = single_process_losses(same_head_vit, steps)
+    for report in reports:
+        assert report["world_size"] == 2 and report["wrap_classes"] == ["ViTLayer"]
+        assert report["activation_checkpointing"] and report["checkpointed_layers"] == 2
+        units = report["fsdp_units"]
+        assert units.count("ViTLayer") == 2 and units.count("ViTPatchEmbeddings") == 1, units
+        assert "ViTEmbeddings" not in units and units.count("ViTForImageClassification") == 1, units
+        assert report["dtensor_params"] == report["params"], "every parameter is an FSDP2 shard"
+        assert abs(report["local_numel"] / report["full_numel"] - 0.5) < 0.05, report
+        np.testing.assert_allclose(report["losses"], expected, rtol=REL_TOL)
+
+
+def test_fsdp_wrap_list_holding_the_embedding_is_refused(monkeypatch):
+    """accelerate's default for ViT (its _no_split_modules) wraps ViTEmbeddings; one line says what to wrap instead."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from vit_recipes.strategy import check_fsdp_wrap
+
+    model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP", raising=False)
+    with pytest.raises(RecipeError, match=r"cannot wrap ViTEmbeddings from .*_no_split_modules.*; wrap ViTLayer only"):
+        check_fsdp_wrap(None, model)
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "ViTLayer,ViTPatchEmbeddings")
+    with pytest.raises(RecipeError, match="cannot wrap ViTPatchEmbeddings from the FSDP wrap list"):
+        check_fsdp_wrap(None, model)
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "ViTLayer")
+    check_fsdp_wrap(None, model)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    check_fsdp_wrap(None, model)  # not FSDP: nothing to check
+
+
 def test_deepspeed_with_accelerates_cpu_mode_or_mixed_precision_flag_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs/zero2.json"))
@@ -697,11 +766,14 @@ def test_accelerate_configs_load_and_deepspeed_ones_point_to_their_json(path):
 
 
 def test_fsdp_wraps_layers_that_exist_in_vit():
-    """fsdp.yaml names no class: accelerate wraps the model's _no_split_modules, which must exist in the model."""
+    """The class the FSDP YAMLs wrap must exist in transformers' ViT (a rename would silently wrap nothing)."""
+    from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils.dataclasses import get_module_class_from_name
     from transformers import ViTConfig, ViTForImageClassification
 
     model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
-    assert "ViTLayer" in model._no_split_modules
-    for name in model._no_split_modules:
-        assert get_module_class_from_name(model, name) is not None, name
+    for name in ("fsdp.yaml", "fsdp_offload.yaml"):
+        wrap = load_config_from_file(str(ROOT / "accelerate_configs" / name)).fsdp_config[
+            "fsdp_transformer_layer_cls_to_wrap"
+        ]
+        assert wrap == "ViTLayer" and get_module_class_from_name(model, wrap) is not None, name

@@ -1,11 +1,13 @@
 """How a run is spread over processes (DDP, DeepSpeed ZeRO, FSDP2), checked before any work starts.
 
-Three checks, each failing with one `RecipeError` line:
+Four checks, each failing with one `RecipeError` line:
 
 - `check_launch(argv)`, before the arguments are parsed: parsing builds `TrainingArguments`, which starts the
   process group, so more processes than GPUs must be caught before that;
 - `check_strategy(args)`, right after parsing: the DeepSpeed file against the arguments, precision against the
   device, DeepSpeed and FSDP together, FSDP on CPU, offload against the host's free memory;
+- `check_fsdp_wrap(training_args, model)`, once the model is built: FSDP2's wrap list must not hold the
+  input embedding (accelerate shards that on its own; torch fails obscurely otherwise);
 - `check_resume(training_args, checkpoint)`, once the checkpoint to resume is known: a DeepSpeed checkpoint
   resumes only with the data-parallel world size that wrote it.
 
@@ -318,6 +320,46 @@ def check_strategy(args) -> Strategy:
     if any(strategy.offload()):
         check_host_memory(args, strategy, world)
     return strategy
+
+
+def fsdp_wrap_classes(training_args, model) -> tuple[list[str], bool]:
+    """The layer classes FSDP2 will wrap, and whether they were named (config/flag) or defaulted by accelerate."""
+    named = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP") if _is_true(os.environ.get("ACCELERATE_USE_FSDP")) else None
+    named = named or (getattr(training_args, "fsdp_config", None) or {}).get("transformer_layer_cls_to_wrap")
+    if named:
+        names = named.split(",") if isinstance(named, str) else list(named)
+        return [n.strip() for n in names if n.strip()], True
+    return list(getattr(model, "_no_split_modules", None) or []), False
+
+
+def check_fsdp_wrap(training_args, model) -> None:
+    """FSDP2: refuse a wrap list that contains the input embedding's parent (e.g. ViTEmbeddings).
+
+    accelerate shards `get_input_embeddings()` as a unit of its own after the wrap pass; if a wrapped class already
+    holds it, its parameters are DTensors by then and torch fails deep inside fully_shard with "Invariant encountered:
+    value was None" (seen with torch 2.11 and 2.13, accelerate 1.15, on ViT whose _no_split_modules names
+    ViTEmbeddings). accelerate_configs/fsdp*.yaml therefore name the ViT layer class alone.
+    """
+    if not requested_strategy(training_args).fsdp:
+        return
+    names, named = fsdp_wrap_classes(training_args, model)
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    if embed is None:
+        return
+    holders = {
+        type(module).__name__
+        for module in model.modules()
+        if module is not model and any(child is embed for child in module.modules())
+    }
+    clash = sorted(holders.intersection(names))
+    if clash:
+        keep = [n for n in names if n not in holders]
+        where = "the FSDP wrap list" if named else f"{type(model).__name__}._no_split_modules (accelerate's default)"
+        raise RecipeError(
+            f"FSDP2 cannot wrap {', '.join(clash)} from {where}: it holds the input embedding that accelerate "
+            f"shards on its own; wrap {','.join(keep) or 'the transformer layer class'} only "
+            f"(fsdp_transformer_layer_cls_to_wrap in the accelerate config, as in accelerate_configs/fsdp.yaml)"
+        )
 
 
 def use_fsdp_activation_checkpointing(t, strategy: Strategy) -> None:

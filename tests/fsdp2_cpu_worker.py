@@ -1,0 +1,91 @@
+"""One rank of the FSDP2 layout check, started by `accelerate launch --config_file accelerate_configs/fsdp*.yaml`.
+
+accelerate runs FSDP only on GPUs, but the sharding itself (torch's fully_shard over gloo) works on the CPU. So this
+worker takes the FSDP plugin exactly as `accelerate launch` built it from our YAML (the FSDP_* environment), applies
+it with accelerate's own fsdp2_apply_ac + fsdp2_prepare_model to a tiny ViT, trains a few fp32 steps on its half of
+a fixed global batch, and writes what it held and the losses to <out>/rank{N}.json for the test to assert on.
+The whole script under FSDP2 is proven on GPUs (benchmarks/gpu_strategies.sh).
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \\
+        tests/fsdp2_cpu_worker.py MODEL_DIR OUT_DIR STEPS
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
+from transformers import ViTForImageClassification
+
+from vit_recipes.strategy import check_fsdp_wrap
+
+
+def fixed_batches(config, steps: int, batch: int = 8):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        pixels = torch.randn(batch, 3, config.image_size, config.image_size, generator=generator)
+        yield pixels, torch.randint(0, config.num_labels, (batch,), generator=generator)
+
+
+def main(model_dir: str, out_dir: str, steps: int) -> None:
+    accelerator = Accelerator(cpu=True)  # a gloo process group over the ranks accelerate launch started
+    plugin = FullyShardedDataParallelPlugin()  # filled from the FSDP_* variables accelerate launch set
+    accelerator.state.fsdp_plugin = plugin
+    rank, world = accelerator.process_index, accelerator.num_processes
+
+    model = ViTForImageClassification.from_pretrained(model_dir)
+    check_fsdp_wrap(None, model)  # our refusal must let the shipped config through
+    full = {name: p.numel() for name, p in model.named_parameters()}
+    if plugin.activation_checkpointing:
+        model = fsdp2_apply_ac(accelerator, model)
+    model = fsdp2_prepare_model(accelerator, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+    losses = []
+    for pixels, labels in fixed_batches(model.config, steps):
+        share = pixels.shape[0] // world
+        mine = slice(rank * share, (rank + 1) * share)
+        loss = model(pixel_values=pixels[mine], labels=labels[mine]).loss
+        loss.backward()  # FSDP2 reduce-scatters the mean gradient over ranks: the full batch's gradient
+        optimizer.step()
+        optimizer.zero_grad()
+        whole = loss.detach().clone()
+        torch.distributed.all_reduce(whole)
+        losses.append(whole.item() / world)
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    local = {
+        name: (p.to_local().numel() if isinstance(p, DTensor) else p.numel()) for name, p in model.named_parameters()
+    }
+    report = {
+        "rank": rank,
+        "world_size": world,
+        "wrap_classes": plugin.transformer_cls_names_to_wrap,
+        "activation_checkpointing": bool(plugin.activation_checkpointing),
+        # FSDP2 units by the class they shard (fully_shard subclasses it as FSDP<Class>)
+        "fsdp_units": sorted(
+            next(c for c in type(m).__bases__ if c is not FSDPModule).__name__
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+        ),
+        "checkpointed_layers": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules()),
+        "dtensor_params": sum(isinstance(p, DTensor) for p in model.parameters()),
+        "params": len(full),
+        "full_numel": sum(full.values()),
+        "local_numel": sum(local.values()),
+        "losses": losses,
+    }
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
