@@ -52,6 +52,7 @@ from vit_recipes.observability import attach as attach_observability
 from vit_recipes.plots import write_plots
 from vit_recipes.reports import write_reports
 from vit_recipes.run_dir import record_run, resolve_resume
+from vit_recipes.timeline import Timeline
 from vit_recipes.trainer import ImageClassificationTrainer, TrainingStatsCallback
 from vit_recipes.transforms import build_mixup, build_transforms
 
@@ -61,6 +62,7 @@ logger = logging.getLogger("run_image_classification")
 def main(argv: list[str] | None = None) -> dict:
     # 1. Arguments: recipe YAML, overridden by the command line; fail fast on anything wrong.
     argv = sys.argv[1:] if argv is None else list(argv)
+    timeline = Timeline()  # wall time per phase, from the process's start: where a short run's minute goes
     distributed.check_launch(argv)  # processes vs GPUs, before parsing starts the process group
     args = parse_args(argv)
     training_args = args.training
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = run_config(args)
     resume_from = resolve_resume(training_args, run) if training_args.do_train else None
     distributed.check_resume(training_args, resume_from)  # a DeepSpeed checkpoint needs its world size
+    timeline.mark("startup")  # interpreter, imports, launcher, arguments, process group
 
     # 2. Data: splits with integer labels (ClassLabel names, or sorted values).
     with training_args.main_process_first(desc="loading the dataset"):
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         splits.label_source,
         ", ".join(f"{n} {len(d)}" for n, d in splits.present().items()),
     )
+    timeline.mark("data")
 
     # 3. Model with a head for these labels (seeded: a new head is initialised randomly).
     transformers.set_seed(training_args.seed)
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, image_size, finetune = build_finetune_model(args.model, args.lora, training_args, splits.label_names)
     distributed.check_fsdp_wrap(training_args, model)  # FSDP2 must not wrap the embedding's parent
     mean, std = mean_std(args.model)
+    timeline.mark("model")
 
     # 4. Decode every image once to uint8 at storage size (cached on disk); the device does the rest.
     decode_start = time.perf_counter()
@@ -97,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         splits = decode_splits(splits, image_size, args.data.storage_size, args.data.preprocessing_num_workers)
     decode_seconds = time.perf_counter() - decode_start  # first run: decoding; later runs: reading the cache
     train_transform, eval_transform = build_transforms(args.augment, image_size, mean, std)
+    timeline.mark("decode")
 
     # 5. Trainer.
     images_per_step = (
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     attach_observability(trainer, args.observe, images_per_step, flops, stats.peak_flops)
     processor = evaluation_processor(image_size, args.augment.eval_crop_pct, mean, std)
     results: dict = {}
+    timeline.mark("trainer")  # Trainer, accelerator, DeepSpeed/FSDP set-up, trackers
 
     # 6. Train.
     if training_args.do_train:
@@ -138,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
             record_run(training_args, run)
             write_skipped(splits, training_args.output_dir)
         train_result = trainer.train(resume_from_checkpoint=resume_from)
+        timeline.mark("train")  # includes the first steps' warm-up and checkpoint saves
         # Under DeepSpeed/FSDP this gathers a plain, loadable model; LoRA: the adapter, or the merged model.
         save_final_model(trainer, finetune)
         metrics = dict(train_result.metrics)
@@ -152,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         processor.save_pretrained(training_args.output_dir)
         model.config.save_pretrained(training_args.output_dir)
         save_labels(splits, training_args.output_dir)
+    timeline.mark("save")
 
     # 7. Evaluate on validation, then once on test; reports on test (validation when there is no test split).
     report_split = None
@@ -163,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.save_metrics(name, output.metrics)
         results.update(output.metrics)
         report_split = (name, output)
+    timeline.mark("evaluate")
     reports = {}
     if report_split and trainer.is_world_process_zero():
         name, output = report_split
@@ -176,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
         )
     if args.observe.plots and trainer.is_world_process_zero():  # loss/lr, validation metrics, throughput PNGs
         write_plots(trainer.state.log_history, training_args.output_dir)
+    timeline.mark("reports")
+    results.update(timeline.metrics())
+    timeline.log()
     if results:
         trainer.save_metrics("all", results, combined=False)
 

@@ -334,7 +334,10 @@ def reevaluate(runs: list[Run], records: dict, work: Path, assets: Path, log) ->
             checks.append({"run": run.name, "check": "saved model reloads", "ok": False, "detail": str(sorted(again))})
             continue
         acc, loss = f"{split}_accuracy", f"{split}_loss"
-        ok = abs(again[acc] - reported[acc]) <= 1 / 512 + 1e-9  # one image of 512: bf16 batch-composition noise
+        # Same weights, other batch composition (1 GPU vs the run's ranks): bf16 autocast flips a few near-tied
+        # predictions (seen: 0.3184 vs 0.3223, loss 2.4854 vs 2.4858). A wrong or unloaded model is far outside.
+        ok = (abs(again[acc] - reported[acc]) <= 0.005 + 1e-9
+              and abs(again[loss] - reported[loss]) <= 2e-3 * abs(reported[loss]))  # fmt: skip
         detail = (f"{split} accuracy {again[acc]:.4f} vs {reported[acc]:.4f} in the run; loss "
                   f"{again[loss]:.4f} vs {reported[loss]:.4f}")  # fmt: skip
         checks.append({"run": run.name, "check": "saved model reloads plainly and scores the same", "ok": ok,

@@ -29,6 +29,10 @@ def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, ru
     saved = json.loads((out / "all_results.json").read_text())
     assert saved["test_accuracy"] == pytest.approx(results["test_accuracy"])
     assert saved["train_images_per_second"] > 0
+    # where the wall time went, phase by phase, adding up to the total
+    phases = ("startup", "data", "model", "decode", "trainer", "train", "save", "evaluate", "reports")
+    assert all(saved[f"time_{p}_s"] >= 0 for p in phases) and saved["time_train_s"] > 0
+    assert sum(saved[f"time_{p}_s"] for p in phases) == pytest.approx(saved["time_total_s"], abs=0.05)
     config = json.loads((out / "config.json").read_text())
     assert config["id2label"]["0"] == "class_0" and len(config["id2label"]) == 100
     for name in (

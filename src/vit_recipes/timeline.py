@@ -1,0 +1,45 @@
+"""Where a run's wall-clock time goes, phase by phase, counted from the process's start (imports included).
+
+A 20-step benchmark on a GPU spends most of its minute outside the training loop; these figures say where
+(imports and launcher, data loading, model, decoding, Trainer and accelerator set-up, training, evaluation,
+reports). They are logged as one line at the end and saved as `time_<phase>_s` in all_results.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def process_start() -> float:
+    """When this process started (epoch seconds), so imports before main() are counted too."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - no psutil or no /proc: count from the first mark instead
+        return time.time()
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self._last = process_start()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        """Close `phase`: the time since the previous mark (or since the process started) is charged to it."""
+        now = time.time()
+        self.phases[phase] = self.phases.get(phase, 0.0) + max(0.0, now - self._last)
+        self._last = now
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time_{phase}_s": round(seconds, 2) for phase, seconds in self.phases.items()}
+        out["time_total_s"] = round(sum(self.phases.values()), 2)
+        return out
+
+    def log(self) -> None:
+        total = sum(self.phases.values()) or 1.0
+        parts = " | ".join(f"{p} {s:.1f}s ({s / total:.0%})" for p, s in self.phases.items())
+        logger.info("Timeline: %s | total %.1fs", parts, total)
