@@ -84,7 +84,7 @@ def plan(gpus: int) -> list[Run]:
         Run("fsdp-resume", "accelerate", "accelerate_configs/fsdp.yaml", bf16 + ckpt, wrapper="FSDP", fsdp_ac=True,
             resume_of="fsdp", checkpoints=True, **sharded),
         Run("fsdp_offload", "accelerate", "accelerate_configs/fsdp_offload.yaml", bf16, wrapper="FSDP",
-            offload=True, fsdp_ac=True, reference="ddp", **sharded),
+            offload=True, reference="ddp", **sharded),
         Run("zero3", "accelerate", "accelerate_configs/zero3.yaml", bf16 + ckpt, wrapper="DeepSpeedEngine",
             zero_stage=3, model_ckpt=True, reference="ddp", checkpoints=True, **sharded),
         Run("zero2-fp16", "deepspeed", "ds_configs/zero2.json", ["--fp16", "true"], wrapper="DeepSpeedEngine",

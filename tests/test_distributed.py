@@ -624,7 +624,15 @@ def test_fsdp2_config_really_shards_vit(same_head_vit, tmp_path):
     steps = 4
     launch(
         f"FSDP2 layout with {config}",
-        accelerate(config, "--mixed_precision", "no", script="tests/fsdp2_cpu_worker.py")
+        # --fsdp_activation_checkpointing: what --gradient_checkpointing turns on (strategy.py; tested above)
+        accelerate(
+            config,
+            "--mixed_precision",
+            "no",
+            "--fsdp_activation_checkpointing",
+            "true",
+            script="tests/fsdp2_cpu_worker.py",
+        )
         + [str(same_head_vit), str(tmp_path), str(steps)],
     )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -758,7 +766,8 @@ def test_accelerate_configs_load_and_deepspeed_ones_point_to_their_json(path):
     if config.distributed_type.value == "FSDP":
         fsdp = config.fsdp_config
         assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
-        assert fsdp["fsdp_reshard_after_forward"] is True and fsdp["fsdp_activation_checkpointing"] is True
+        assert fsdp["fsdp_reshard_after_forward"] is True
+        assert fsdp["fsdp_activation_checkpointing"] is False, "--gradient_checkpointing is the one switch"
         assert fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT"
         assert fsdp["fsdp_offload_params"] is (path.stem == "fsdp_offload")
     if path.stem == "multinode":
