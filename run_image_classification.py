@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     if training_args.do_predict and args.data.predict_images:
         predict_folder(trainer, args.data, splits.storage_shape, splits.label_names, training_args.output_dir)
 
+    trainer.release_dataloaders()  # stop DataLoader workers now rather than at interpreter exit (slow there)
+
     # 9. Model card (always written locally), then push.
     card.update(card_info(args, argv, splits, results, reports, stats))
     card.update(finetune.card_fields(card["hyperparameters"]))  # LoRA adapters: library peft
@@ -347,3 +349,4 @@ if __name__ == "__main__":
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    distributed.shutdown()  # after success only: a rank that failed must not wait in a collective teardown

@@ -148,6 +148,13 @@ class RecipeTrainingArguments(TrainingArguments):
         default=True, metadata={"help": "Keep DataLoader workers alive between epochs."}
     )
     dataloader_prefetch_factor: int | None = field(default=4, metadata={"help": "Batches prefetched per worker."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={
+            "help": "DDP searches the graph for unused parameters each step when true; ViT (full, LoRA or head "
+            "only) uses every trainable parameter, so the default skips that extra pass."
+        },
+    )
     gradient_checkpointing_kwargs: dict | str | None = field(
         default_factory=lambda: {"use_reentrant": False},
         metadata={"help": "Non-reentrant by default: works with frozen inputs (LoRA) and every strategy."},

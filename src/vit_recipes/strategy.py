@@ -540,7 +540,7 @@ def rank_report(trainer) -> dict[str, Any]:
         "offload_optimizer": False,
         "offload_param": False,
         "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
-        "fsdp_activation_checkpointing": any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
+        "fsdp_activation_checkpointing": any(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules()),
         "precision": _precision(trainer.args),
         "param_dtype": None,
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
@@ -693,3 +693,12 @@ def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", c
         return None
     logger.info("ZeRO-3: loading %s without %s (new head)", source, ", ".join(dropped))
     return state_dict
+
+
+def shutdown() -> None:
+    """Tear the process group down once every rank is done (torch asks for it; NCCL may hang at exit without it)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
