@@ -7,7 +7,10 @@ a fixed global batch, and writes what it held and the losses to <out>/rank{N}.js
 The whole script under FSDP2 is proven on GPUs (benchmarks/gpu_strategies.sh).
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \\
-        tests/fsdp2_cpu_worker.py MODEL_DIR OUT_DIR STEPS
+        tests/fsdp2_cpu_worker.py MODEL_DIR OUT_DIR STEPS [lora]
+
+With `lora`, the model is first wrapped by our LoRA set-up (vit_recipes.lora.apply_lora: query/value adapters plus
+the full head), as `--use_peft` does before the Trainer hands it to accelerate.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
 from transformers import ViTForImageClassification
 
+from vit_recipes.lora import LoraArguments, apply_lora
 from vit_recipes.strategy import check_fsdp_wrap
 
 
@@ -32,22 +36,31 @@ def fixed_batches(config, steps: int, batch: int = 8):
         yield pixels, torch.randint(0, config.num_labels, (batch,), generator=generator)
 
 
-def main(model_dir: str, out_dir: str, steps: int) -> None:
+def load(model_dir: str, lora: bool):
+    model = ViTForImageClassification.from_pretrained(model_dir)
+    if lora:
+        torch.manual_seed(0)  # the adapters' initialisation, the same in every process and in the reference
+        # no LoRA dropout: each rank would draw masks for its half-batch, the reference for the whole one
+        model, _ = apply_lora(model, LoraArguments(use_peft=True, lora_dropout=0.0))
+    return model
+
+
+def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
     accelerator = Accelerator(cpu=True)  # a gloo process group over the ranks accelerate launch started
     plugin = FullyShardedDataParallelPlugin()  # filled from the FSDP_* variables accelerate launch set
     accelerator.state.fsdp_plugin = plugin
     rank, world = accelerator.process_index, accelerator.num_processes
 
-    model = ViTForImageClassification.from_pretrained(model_dir)
+    model = load(model_dir, lora)
     check_fsdp_wrap(None, model)  # our refusal must let the shipped config through
     full = {name: p.numel() for name, p in model.named_parameters()}
     if plugin.activation_checkpointing:
         model = fsdp2_apply_ac(accelerator, model)
     model = fsdp2_prepare_model(accelerator, model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
 
     losses = []
-    for pixels, labels in fixed_batches(model.config, steps):
+    for pixels, labels in fixed_batches(model.config, steps):  # PeftModel forwards .config
         share = pixels.shape[0] // world
         mine = slice(rank * share, (rank + 1) * share)
         loss = model(pixel_values=pixels[mine], labels=labels[mine]).loss
@@ -78,6 +91,8 @@ def main(model_dir: str, out_dir: str, steps: int) -> None:
         "checkpointed_layers": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules()),
         "dtensor_params": sum(isinstance(p, DTensor) for p in model.parameters()),
         "params": len(full),
+        "trainable_params": sum(p.requires_grad for p in model.parameters()),
+        "trainable_dtensors": sum(isinstance(p, DTensor) and p.requires_grad for p in model.parameters()),
         "full_numel": sum(full.values()),
         "local_numel": sum(local.values()),
         "losses": losses,
@@ -88,4 +103,4 @@ def main(model_dir: str, out_dir: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), lora=sys.argv[4:] == ["lora"])

@@ -595,13 +595,12 @@ def test_fsdp_turns_gradient_checkpointing_into_its_own(monkeypatch):
     assert not args.training.gradient_checkpointing  # no second checkpointing pass inside FSDP's
 
 
-def single_process_losses(model_dir: Path, steps: int) -> list[float]:
+def single_process_losses(model_dir: Path, steps: int, lora: bool = False) -> list[float]:
     """The FSDP2 worker's loop in one process on the whole batch: the reference its sharded losses must match."""
-    from fsdp2_cpu_worker import fixed_batches
-    from transformers import ViTForImageClassification
+    from fsdp2_cpu_worker import fixed_batches, load
 
-    model = ViTForImageClassification.from_pretrained(model_dir)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    model = load(str(model_dir), lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     losses = []
     for pixels, labels in fixed_batches(model.config, steps):
         loss = model(pixel_values=pixels, labels=labels).loss
@@ -613,12 +612,15 @@ def single_process_losses(model_dir: Path, steps: int) -> list[float]:
 
 
 @pytest.mark.slow
-def test_fsdp2_config_really_shards_vit(same_head_vit, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_config_really_shards_vit(lora, same_head_vit, tmp_path):
     """fsdp.yaml, through `accelerate launch` and accelerate's own FSDP2 preparation, shards every ViT parameter in
     two halves (each layer checkpointed, patch embedding, root) and trains to the single-process losses.
 
     accelerate's default wrap list (ViTLayer + ViTEmbeddings) crashed here and on GPUs; the YAMLs name ViTLayer.
     fsdp_offload.yaml cannot run here (torch's CPUOffloadPolicy needs an accelerator): proven on GPUs only.
+    With LoRA (our --use_peft wrapping), the frozen base and the adapters are sharded alike and only the adapters and
+    the head train.
     """
     config = "fsdp.yaml"
     steps = 4
@@ -633,17 +635,23 @@ def test_fsdp2_config_really_shards_vit(same_head_vit, tmp_path):
             "true",
             script="tests/fsdp2_cpu_worker.py",
         )
-        + [str(same_head_vit), str(tmp_path), str(steps)],
+        + [str(same_head_vit), str(tmp_path), str(steps)]
+        + (["lora"] if lora else []),
     )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    expected = single_process_losses(same_head_vit, steps)
+    expected = single_process_losses(same_head_vit, steps, lora)
     for report in reports:
         assert report["world_size"] == 2 and report["wrap_classes"] == ["ViTLayer"]
         assert report["activation_checkpointing"] and report["checkpointed_layers"] == 2
         units = report["fsdp_units"]
         assert units.count("ViTLayer") == 2 and units.count("ViTPatchEmbeddings") == 1, units
-        assert "ViTEmbeddings" not in units and units.count("ViTForImageClassification") == 1, units
+        assert (
+            "ViTEmbeddings" not in units and units.count("PeftModel" if lora else "ViTForImageClassification") == 1
+        ), units
         assert report["dtensor_params"] == report["params"], "every parameter is an FSDP2 shard"
+        assert report["trainable_dtensors"] == report["trainable_params"] > 0
+        if lora:  # query and value adapters (A and B) in 2 layers, plus the head's weight and bias
+            assert report["trainable_params"] == 2 * 2 * 2 + 2, report
         assert abs(report["local_numel"] / report["full_numel"] - 0.5) < 0.05, report
         np.testing.assert_allclose(report["losses"], expected, rtol=REL_TOL)
 
