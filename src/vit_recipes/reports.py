@@ -5,8 +5,6 @@ import math
 import os
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 CSV_FIELDS = ("class_id", "label", "support", "correct", "accuracy")
 MAX_LABELLED_CLASSES = 120  # beyond this, label every n-th class so tick labels never overlap
@@ -60,6 +58,9 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     normalised = np.divide(matrix, rows, out=np.zeros(matrix.shape), where=rows > 0)
     ticks = np.arange(0, num_classes, max(1, math.ceil(num_classes / MAX_LABELLED_CLASSES)))
     side, font = _figure_layout(num_classes, len(ticks))
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported here: only rank 0 draws, at the end
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(side + 1, side), dpi=100)  # extra width for the colourbar
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
