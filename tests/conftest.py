@@ -68,21 +68,28 @@ def digits_dir(tmp_path_factory) -> Path:
     return build_digits(tmp_path_factory.mktemp("digits"))
 
 
-def save_tiny_vit(path: Path, num_labels: int = 7, label_names: bool = False) -> Path:
-    """A randomly initialised ViT (16x16 input, 4x4 patches) saved like a Hub checkpoint."""
-    import torch
-    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+def tiny_vit_config(num_labels: int = 7, hidden_size: int = 32):
+    """The tests' tiny ViT: 16x16 input, 4x4 patches, 2 layers of 2 heads, MLP twice as wide as hidden_size."""
+    from transformers import ViTConfig
 
-    torch.manual_seed(0)
-    config = ViTConfig(
+    return ViTConfig(
         image_size=16,
         patch_size=4,
-        hidden_size=32,
+        hidden_size=hidden_size,
         num_hidden_layers=2,
         num_attention_heads=2,
-        intermediate_size=64,
+        intermediate_size=2 * hidden_size,
         num_labels=num_labels,
     )
+
+
+def save_tiny_vit(path: Path, num_labels: int = 7, label_names: bool = False) -> Path:
+    """tiny_vit_config, randomly initialised (seed 0), saved like a Hub checkpoint."""
+    import torch
+    from transformers import ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    config = tiny_vit_config(num_labels)
     if label_names:
         config.id2label = {i: f"class_{i}" for i in range(num_labels)}
         config.label2id = {v: k for k, v in config.id2label.items()}

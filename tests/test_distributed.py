@@ -20,6 +20,8 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -237,35 +239,56 @@ def baseline(ten_classes, same_head_vit, tmp_path_factory) -> Path:
 
 # ---------------------------------------------------------------------------------------- launched runs
 
-
-@pytest.mark.slow
-def test_ddp_through_accelerate(ten_classes, same_head_vit, baseline, tmp_path, run_script):
-    out = tmp_path / "ddp"
-    launch(
-        "ddp (accelerate)",
-        accelerate("ddp.yaml", "--mixed_precision", "no")
-        + run_args(ten_classes, same_head_vit, out, "--per_device_train_batch_size", 4),
-    )
-    found = reports(out)
-    for r in found:
-        assert r["wrapper"] == "torch.nn.parallel.distributed.DistributedDataParallel", r
-        assert r["distributed_type"] == "MULTI_CPU" and r["backend"] == "gloo" and not r["is_deepspeed_enabled"]
-    assert_sharded(found, params=False, optimizer=False)
-    assert_parity(out, baseline)
-    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
+DDP = "torch.nn.parallel.distributed.DistributedDataParallel"
+DS_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 
 
-@pytest.mark.slow
-def test_zero1_through_deepspeed_with_accumulation(ten_classes, same_head_vit, baseline, tmp_path, run_script):
-    """`deepspeed ... --deepspeed ds_configs/zero1.json`, per-device 2 x accumulation 2 x 2 processes = 8."""
-    out = tmp_path / "zero1"
-    launch(
-        "zero1 (deepspeed, accumulation 2)",
-        deepspeed()
-        + run_args(
-            ten_classes,
-            same_head_vit,
-            out,
+def with_torch_adamw(name: str, tmp_path: Path) -> Path:
+    """ds_configs/NAME.json keeping torch's AdamW: the shipped offload files use DeepSpeedCPUAdam, whose C++ build
+    alone takes minutes on a 2-core CI machine. Offloading itself is unchanged."""
+    config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    config.pop("optimizer")
+    config["zero_force_ds_cpu_optimizer"] = False
+    path = tmp_path / f"{name}_torch_adamw.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A 2-process run of the script and what each rank must report. Per-device batch x accumulation x 2 = 8."""
+
+    id: str
+    # Both take the run's scratch folder (for generated configs); called at launch, so ports are picked then.
+    launcher: Callable[[Path], list[str]]
+    extra: Callable[[Path], tuple]  # script arguments after run_args' own
+    expect: dict  # rank-report field -> value, on every rank
+    params_sharded: bool
+    optimizer_sharded: bool
+
+
+ZERO2 = Launched(  # checkpoints at steps 10 and 20: test_zero2_resume_matches_uninterrupted_run resumes from 10
+    "zero2-accelerate",
+    lambda tmp: accelerate("zero2.yaml"),
+    lambda tmp: ("--per_device_train_batch_size", 4, "--save_strategy", "steps", "--save_steps", 10),
+    {"wrapper": DS_ENGINE, "zero_stage": 2, "distributed_type": "DEEPSPEED", "gradients_partitioned": True},
+    params_sharded=False,
+    optimizer_sharded=True,
+)
+
+LAUNCHED = [
+    Launched(
+        "ddp-accelerate",
+        lambda tmp: accelerate("ddp.yaml", "--mixed_precision", "no"),
+        lambda tmp: ("--per_device_train_batch_size", 4),
+        {"wrapper": DDP, "distributed_type": "MULTI_CPU", "backend": "gloo", "is_deepspeed_enabled": False},
+        params_sharded=False,
+        optimizer_sharded=False,
+    ),
+    Launched(
+        "zero1-deepspeed-accum",
+        lambda tmp: deepspeed(),
+        lambda tmp: (
             "--deepspeed",
             "ds_configs/zero1.json",
             "--per_device_train_batch_size",
@@ -273,47 +296,94 @@ def test_zero1_through_deepspeed_with_accumulation(ten_classes, same_head_vit, b
             "--gradient_accumulation_steps",
             2,
         ),
-    )
+        {"wrapper": DS_ENGINE, "zero_stage": 1, "gradients_partitioned": False, "gradient_accumulation_steps": 2},
+        params_sharded=False,
+        optimizer_sharded=True,
+    ),
+    ZERO2,
+    Launched(
+        "zero3-deepspeed-ckpt",  # gradient checkpointing
+        lambda tmp: deepspeed(),
+        lambda tmp: (
+            "--deepspeed",
+            "ds_configs/zero3.json",
+            "--per_device_train_batch_size",
+            4,
+            "--gradient_checkpointing",
+            "true",
+        ),
+        {"wrapper": DS_ENGINE, "zero_stage": 3, "gradient_checkpointing": True},
+        params_sharded=True,
+        optimizer_sharded=True,
+    ),
+    Launched(
+        "zero2-offload-deepspeed",
+        lambda tmp: deepspeed(),
+        lambda tmp: ("--deepspeed", with_torch_adamw("zero2_offload", tmp), "--per_device_train_batch_size", 4),
+        {
+            "wrapper": DS_ENGINE,
+            "zero_stage": 2,
+            "offload_optimizer": True,
+            "offload_param": False,
+            "optimizer_state_device": "cpu",
+        },
+        params_sharded=False,
+        optimizer_sharded=True,
+    ),
+    Launched(
+        "zero3-offload-accelerate",  # accelerate_configs/zero3_offload.yaml, its JSON swapped on the command line
+        lambda tmp: accelerate(
+            "zero3_offload.yaml", "--deepspeed_config_file", with_torch_adamw("zero3_offload", tmp)
+        ),
+        lambda tmp: ("--per_device_train_batch_size", 4),
+        {
+            "wrapper": DS_ENGINE,
+            "zero_stage": 3,
+            "offload_optimizer": True,
+            "offload_param": True,
+            "optimizer_state_device": "cpu",
+        },
+        params_sharded=True,
+        optimizer_sharded=True,
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def launched(ten_classes, same_head_vit, tmp_path_factory):
+    """Launches a row at most once per module: the zero2 run is both checked below and resumed."""
+    outs: dict[str, Path] = {}
+
+    def run(case: Launched) -> Path:
+        if case.id not in outs:
+            tmp = tmp_path_factory.mktemp(case.id)
+            out = tmp / case.id
+            launch(case.id, case.launcher(tmp) + run_args(ten_classes, same_head_vit, out, *case.extra(tmp)))
+            outs[case.id] = out
+        return outs[case.id]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LAUNCHED, ids=[c.id for c in LAUNCHED])
+def test_launched_run_is_what_it_says_and_matches_one_process(
+    case, launched, ten_classes, baseline, tmp_path, run_script
+):
+    """The launcher really ran the row's strategy, trained to the single-process losses and saved a plain model."""
+    out = launched(case)
     found = reports(out)
     for r in found:
-        assert r["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine" and r["zero_stage"] == 1, r
-        assert not r["gradients_partitioned"] and r["gradient_accumulation_steps"] == 2
-    assert_sharded(found, params=False, optimizer=True)
+        for key, value in case.expect.items():
+            assert r[key] == value, (key, r)
+    assert_sharded(found, params=case.params_sharded, optimizer=case.optimizer_sharded)
     assert_parity(out, baseline)
     assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
 
 
 @pytest.fixture(scope="module")
-def zero2_run(ten_classes, same_head_vit, tmp_path_factory) -> Path:
-    """`accelerate launch --config_file accelerate_configs/zero2.yaml`, checkpointing at steps 10 and 20."""
-    out = tmp_path_factory.mktemp("zero2") / "run"
-    launch(
-        "zero2 (accelerate, checkpoints)",
-        accelerate("zero2.yaml")
-        + run_args(
-            ten_classes,
-            same_head_vit,
-            out,
-            "--per_device_train_batch_size",
-            4,
-            "--save_strategy",
-            "steps",
-            "--save_steps",
-            10,
-        ),
-    )
-    return out
-
-
-@pytest.mark.slow
-def test_zero2_through_accelerate(zero2_run, ten_classes, baseline, tmp_path, run_script):
-    found = reports(zero2_run)
-    for r in found:
-        assert r["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine" and r["zero_stage"] == 2, r
-        assert r["distributed_type"] == "DEEPSPEED" and r["gradients_partitioned"]
-    assert_sharded(found, params=False, optimizer=True)
-    assert_parity(zero2_run, baseline)
-    assert_reloads_and_scores_the_same(zero2_run, ten_classes, tmp_path, run_script)
+def zero2_run(launched) -> Path:
+    return launched(ZERO2)
 
 
 @pytest.mark.slow
@@ -360,87 +430,6 @@ def test_zero2_resume_matches_uninterrupted_run(zero2_run, ten_classes, same_hea
     with pytest.raises(RecipeError, match="written by 2 DeepSpeed processes and this run has 1"):
         run_script(*args, "--per_device_train_batch_size", 8)
     assert not (one / "trainer_state.json").exists(), "refused before training"
-
-
-@pytest.mark.slow
-def test_zero3_through_deepspeed_with_checkpointing(ten_classes, same_head_vit, baseline, tmp_path, run_script):
-    out = tmp_path / "zero3"
-    launch(
-        "zero3 (deepspeed, gradient checkpointing)",
-        deepspeed()
-        + run_args(
-            ten_classes,
-            same_head_vit,
-            out,
-            "--deepspeed",
-            "ds_configs/zero3.json",
-            "--per_device_train_batch_size",
-            4,
-            "--gradient_checkpointing",
-            "true",
-        ),
-    )
-    found = reports(out)
-    for r in found:
-        assert r["wrapper"] == "deepspeed.runtime.engine.DeepSpeedEngine" and r["zero_stage"] == 3, r
-        assert r["gradient_checkpointing"], r
-    assert_sharded(found, params=True, optimizer=True)
-    assert_parity(out, baseline)
-    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
-
-
-def with_torch_adamw(name: str, tmp_path: Path) -> Path:
-    """ds_configs/NAME.json keeping torch's AdamW: the shipped offload files use DeepSpeedCPUAdam, whose C++ build
-    alone takes minutes on a 2-core CI machine. Offloading itself is unchanged."""
-    config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
-    config.pop("optimizer")
-    config["zero_force_ds_cpu_optimizer"] = False
-    path = tmp_path / f"{name}_torch_adamw.json"
-    path.write_text(json.dumps(config))
-    return path
-
-
-@pytest.mark.slow
-def test_zero2_offload_through_deepspeed(ten_classes, same_head_vit, baseline, tmp_path, run_script):
-    out = tmp_path / "zero2-offload"
-    launch(
-        "zero2 offload (deepspeed)",
-        deepspeed()
-        + run_args(
-            ten_classes,
-            same_head_vit,
-            out,
-            "--deepspeed",
-            with_torch_adamw("zero2_offload", tmp_path),
-            "--per_device_train_batch_size",
-            4,
-        ),
-    )
-    found = reports(out)
-    for r in found:
-        assert r["zero_stage"] == 2 and r["offload_optimizer"] and not r["offload_param"], r
-        assert r["optimizer_state_device"] == "cpu", r
-    assert_sharded(found, params=False, optimizer=True)
-    assert_parity(out, baseline)
-    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
-
-
-@pytest.mark.slow
-def test_zero3_offload_through_accelerate(ten_classes, same_head_vit, baseline, tmp_path, run_script):
-    """accelerate_configs/zero3_offload.yaml, its JSON swapped on the command line (--deepspeed_config_file)."""
-    out = tmp_path / "zero3-offload"
-    launch(
-        "zero3 offload (accelerate)",
-        accelerate("zero3_offload.yaml", "--deepspeed_config_file", with_torch_adamw("zero3_offload", tmp_path))
-        + run_args(ten_classes, same_head_vit, out, "--per_device_train_batch_size", 4),
-    )
-    found = reports(out)
-    for r in found:
-        assert r["zero_stage"] == 3 and r["offload_optimizer"] and r["offload_param"], r
-        assert r["optimizer_state_device"] == "cpu", r
-    assert_sharded(found, params=True, optimizer=True)
-    assert_parity(out, baseline)
-    assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import FAST_ARGS, ROOT
+from conftest import FAST_ARGS, ROOT, tiny_vit_config
 
 from vit_recipes.arguments import parse_args
 from vit_recipes.errors import RecipeError
@@ -32,20 +32,12 @@ from vit_recipes.lora import (
 )
 
 
-def tiny_model(seed=0, hidden=32, labels=5, **overrides):
-    from transformers import ViTConfig, ViTForImageClassification
+def tiny_model(seed=0, hidden=32, labels=5):
+    """conftest's tiny ViT in memory; seed and width vary so that tests can tell bases apart."""
+    from transformers import ViTForImageClassification
 
     torch.manual_seed(seed)
-    config = dict(
-        image_size=16,
-        patch_size=4,
-        hidden_size=hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=2 * hidden,
-        num_labels=labels,
-    )
-    return ViTForImageClassification(ViTConfig(**{**config, **overrides}))
+    return ViTForImageClassification(tiny_vit_config(labels, hidden))
 
 
 def model_args(path):
