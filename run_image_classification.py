@@ -329,6 +329,9 @@ def card_info(args, argv, splits, results, reports, stats) -> dict:
 
 def summary(results: dict, output_dir: str, reports: dict) -> None:
     lines = [f"{k}: {v:.4f}" for k, v in results.items() if k.endswith("accuracy")]
+    phases = {k[5:-2]: v for k, v in results.items() if k.startswith("time_") and k != "time_total_s"}
+    if phases:  # where the wall time went (time_<phase>_s in all_results.json)
+        lines.append("wall time: " + ", ".join(f"{p} {v:.1f}s" for p, v in phases.items() if v >= 0.05))
     print(
         "\n".join(
             [
