@@ -20,9 +20,10 @@ def tiny_run_args(data, model, out, *extra):
     return run_args(data, model, out, "--lr_scheduler_type", "constant", "--crop_scale_min", "0.5", *extra)
 
 
-def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, run_script):
+def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, run_script, capsys):
     out = tmp_path / "run"
     results = run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "6"))
+    printed = capsys.readouterr().out
     assert {"eval_accuracy", "eval_top5_accuracy", "eval_f1_macro", "test_accuracy", "test_top5_accuracy"} <= set(
         results
     )
@@ -33,6 +34,9 @@ def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, ru
     phases = ("startup", "data", "model", "decode", "trainer", "train", "save", "evaluate", "reports")
     assert all(saved[f"time_{p}_s"] >= 0 for p in phases) and saved["time_train_s"] > 0
     assert sum(saved[f"time_{p}_s"] for p in phases) == pytest.approx(saved["time_total_s"], abs=0.05)
+    # ...and the end-of-run summary says it in one line
+    wall = next(line for line in printed.splitlines() if line.startswith("wall time: "))
+    assert "startup " in wall and f"train {saved['time_train_s']:.1f}s" in wall
     config = json.loads((out / "config.json").read_text())
     assert config["id2label"]["0"] == "class_0" and len(config["id2label"]) == 100
     for name in (
