@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
+from .trainer import StepIntervals
+
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
@@ -128,7 +130,7 @@ def _gather_per_rank(values: list[float], device) -> list[list[float]]:
     return [t.tolist() for t in gathered]
 
 
-class StepMetricsCallback(TrainerCallback):
+class StepMetricsCallback(StepIntervals):
     """Speed and memory of the steps since the previous log, added to the training logs of every tracker.
 
     Keys (TensorBoard shows them as train/<key>): images_per_second (all ranks together), step_time_s,
@@ -139,35 +141,16 @@ class StepMetricsCallback(TrainerCallback):
     """
 
     def __init__(self, images_per_step: int, flops_per_image: float | None = None, peak_flops: float | None = None):
+        super().__init__()
         self.images_per_step = images_per_step
         self.flops_per_image = flops_per_image
         self.peak_flops = peak_flops  # of all GPUs together
-        self._reset()
-        self._last = None
-        self._pending_data = 0.0
 
     def _reset(self):
         self.steps, self.seconds, self.data_seconds = 0, 0.0, 0.0
 
-    def add_data_wait(self, seconds: float) -> None:
-        self._pending_data += seconds
-
     def on_train_begin(self, args, state, control, **kwargs):
         self._last, self._pending_data = time.perf_counter(), 0.0
-
-    def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        if self._last is not None:
-            self.seconds += now - self._last
-            self.data_seconds += self._pending_data
-            self.steps += 1
-        self._pending_data = 0.0
-        self._last = now
-
-    def _pause(self, *args, **kwargs):
-        self._last = None
-
-    on_evaluate = on_save = on_epoch_begin = _pause
 
     def speed(self) -> dict[str, float]:
         if not self.steps or self.seconds <= 0:

@@ -135,7 +135,40 @@ def _labelled(name, function):
     return wrapper
 
 
-class TrainingStatsCallback(TrainerCallback):
+class StepIntervals(TrainerCallback):
+    """Wall time between consecutive optimizer steps, and the part of it the loop spent waiting for data.
+
+    An interval that spans evaluation, saving or an epoch start is dropped; `counts` can drop more (warm-up).
+    ImageClassificationTrainer.get_batch_samples reports data waits through `add_data_wait`.
+    """
+
+    def __init__(self):
+        self.steps, self.seconds, self.data_seconds = 0, 0.0, 0.0
+        self._pending_data = 0.0
+        self._last = None
+
+    def counts(self, state) -> bool:
+        return True
+
+    def add_data_wait(self, seconds: float) -> None:
+        self._pending_data += seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        if self._last is not None and self.counts(state):
+            self.seconds += now - self._last
+            self.data_seconds += self._pending_data
+            self.steps += 1
+        self._pending_data = 0.0
+        self._last = now
+
+    def _pause(self, *args, **kwargs):
+        self._last = None  # the next interval would include evaluation/saving
+
+    on_evaluate = on_save = on_epoch_begin = _pause
+
+
+class TrainingStatsCallback(StepIntervals):
     """Steady-state speed and memory of a training run, added to the train metrics (all_results.json).
 
     Skips warm-up steps and excludes time spent evaluating or saving. Keys:
@@ -151,32 +184,14 @@ class TrainingStatsCallback(TrainerCallback):
         peak_flops: float | None = None,
         warmup_steps: int = 5,
     ):
+        super().__init__()
         self.images_per_step = images_per_step
         self.flops_per_image = flops_per_image
         self.peak_flops = peak_flops  # of all GPUs together
         self.warmup_steps = warmup_steps
-        self.steps = 0
-        self.seconds = 0.0
-        self.data_seconds = 0.0
-        self._pending_data = 0.0
-        self._last = None
 
-    def add_data_wait(self, seconds: float) -> None:
-        self._pending_data += seconds
-
-    def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        if self._last is not None and state.global_step > self.warmup_steps:
-            self.seconds += now - self._last
-            self.data_seconds += self._pending_data
-            self.steps += 1
-        self._pending_data = 0.0
-        self._last = now
-
-    def _pause(self, *args, **kwargs):
-        self._last = None  # the next interval would include evaluation/saving
-
-    on_evaluate = on_save = on_epoch_begin = _pause
+    def counts(self, state) -> bool:
+        return state.global_step > self.warmup_steps
 
     @property
     def images_per_second(self) -> float | None:
