@@ -153,3 +153,19 @@ def run_args(data, model, out, *extra) -> tuple:
         *FAST_ARGS,
         *extra,
     )
+
+
+def model_args(**kw):
+    """ModelArguments-like namespace for calling the package's model builders directly."""
+    from types import SimpleNamespace
+
+    base = dict(
+        model_name_or_path=None,
+        config_name=None,
+        config_overrides=None,
+        image_processor_name=None,
+        model_revision="main",
+        cache_dir=None,
+        attn_implementation="sdpa",
+    )
+    return SimpleNamespace(**{**base, **kw})

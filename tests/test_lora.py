@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import FAST_ARGS, ROOT, tiny_vit_config
+from conftest import FAST_ARGS, ROOT, model_args, tiny_vit_config
 
 from vit_recipes.arguments import parse_args
 from vit_recipes.errors import RecipeError
@@ -38,18 +38,6 @@ def tiny_model(seed=0, hidden=32, labels=5):
 
     torch.manual_seed(seed)
     return ViTForImageClassification(tiny_vit_config(labels, hidden))
-
-
-def model_args(path):
-    return SimpleNamespace(
-        model_name_or_path=str(path),
-        config_name=None,
-        config_overrides=None,
-        image_processor_name=None,
-        model_revision="main",
-        cache_dir=None,
-        attn_implementation="sdpa",
-    )
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -193,7 +181,10 @@ def saved_adapter(tmp_path):
     base_dir = tmp_path / "base"
     tiny_model(seed=0).save_pretrained(base_dir)
     model, _ = build_finetune_model(
-        model_args(base_dir), LoraArguments(use_peft=True, lora_r=4), SimpleNamespace(), ["a", "b", "c"]
+        model_args(model_name_or_path=str(base_dir)),
+        LoraArguments(use_peft=True, lora_r=4),
+        SimpleNamespace(),
+        ["a", "b", "c"],
     )[:2]
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -202,7 +193,7 @@ def saved_adapter(tmp_path):
     out = tmp_path / "adapter"
     model.save_pretrained(out)
     model.config.save_pretrained(out)
-    setup = SimpleNamespace(base_args=model_args(base_dir), signature=base_signature(model))
+    setup = SimpleNamespace(base_args=model_args(model_name_or_path=str(base_dir)), signature=base_signature(model))
     write_base_record(out, setup)
     return base_dir, out, model
 

@@ -1,23 +1,9 @@
-from types import SimpleNamespace
-
 import pytest
 import torch
+from conftest import model_args
 
 from vit_recipes.errors import RecipeError
 from vit_recipes.modeling import build_model, evaluation_processor, mean_std
-
-
-def model_args(**kw):
-    base = dict(
-        model_name_or_path=None,
-        config_name=None,
-        config_overrides=None,
-        image_processor_name=None,
-        model_revision="main",
-        cache_dir=None,
-        attn_implementation="sdpa",
-    )
-    return SimpleNamespace(**{**base, **kw})
 
 
 def test_pretrained_head_is_replaced_with_one_log_line(tiny_vit, caplog):
