@@ -147,6 +147,7 @@ RESULT_COLUMNS = (
     ("MFU %", lambda r, m: _num(m.get("train_mfu"), 1, 100)),
     ("peak alloc GiB", lambda r, m: _num(peak_allocated(m), 1)),
     ("peak reserved GiB", lambda r, m: _num(m.get("train_peak_reserved_gib"), 1)),
+    ("states GiB", lambda r, m: _num(m.get("train_states_allocated_gib_max_rank"), 2)),
     ("loss", lambda r, m: _num(m.get("train_loss"), 3)),
 )
 
@@ -169,7 +170,8 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
     lines += [
         f"- Steps per run: {', '.join(map(str, steps))}; the first 5 are warm-up and not measured. img/s, step time "
         "and data wait are steady-state; peak allocated memory is the largest rank's (rank 0's when per-rank logs "
-        "are missing), peak reserved is rank 0's; "
+        "are missing), peak reserved is rank 0's; states is what stays allocated between steps on the largest rank "
+        "(parameters, optimizer states, persistent gradient buffers: what ZeRO and FSDP shard); "
         "MFU uses the datasheet dense peak (bf16, or TF32 for fp32 runs).",
         "",
     ]

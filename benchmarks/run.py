@@ -442,9 +442,12 @@ def derived_metrics(metrics: dict, run: dict) -> dict:
     return out
 
 
-PER_RANK = re.compile(r"^(gpu_mem_peak_gib|gpu_mem_reserved_gib|cpu_peak_rss_gib)_rank(\d+)$")
+PER_RANK = re.compile(r"^(gpu_mem_peak_gib|gpu_mem_allocated_gib|gpu_mem_reserved_gib|cpu_peak_rss_gib)_rank(\d+)$")
 PER_RANK_NAMES = {
     "gpu_mem_peak_gib": "train_peak_allocated_gib_rank",
+    # Logged after the optimizer step and zero_grad: activations are freed, what stays is the model states
+    # (parameters, optimizer states, persistent gradient buffers) - the part ZeRO/FSDP shard.
+    "gpu_mem_allocated_gib": "train_states_allocated_gib_rank",
     "gpu_mem_reserved_gib": "train_reserved_gib_rank",
     "cpu_peak_rss_gib": "cpu_peak_rss_gib_rank",
 }
@@ -452,7 +455,8 @@ PER_RANK_NAMES = {
 
 def per_rank_memory(output_dir: Path) -> dict:
     """Memory of every rank, from the per-step logs in trainer_state.json (observability.StepMetricsCallback):
-    the largest logged value per rank, plus train_peak_allocated_gib_max_rank. Empty when nothing was logged."""
+    the largest logged value per rank, plus train_peak_allocated_gib_max_rank and
+    train_states_allocated_gib_max_rank. Empty when nothing was logged."""
     try:
         history = json.loads((output_dir / "trainer_state.json").read_text()).get("log_history", [])
     except (OSError, ValueError):
@@ -464,9 +468,10 @@ def per_rank_memory(output_dir: Path) -> dict:
             if match and isinstance(value, (int, float)):
                 name = PER_RANK_NAMES[match.group(1)] + match.group(2)
                 out[name] = max(out.get(name, 0.0), round(float(value), 3))
-    peaks = [v for k, v in out.items() if k.startswith("train_peak_allocated_gib_rank")]
-    if peaks:
-        out["train_peak_allocated_gib_max_rank"] = max(peaks)
+    for prefix in ("train_peak_allocated_gib", "train_states_allocated_gib"):
+        values = [v for k, v in out.items() if k.startswith(prefix + "_rank")]
+        if values:
+            out[prefix + "_max_rank"] = max(values)
     return out
 
 

@@ -168,6 +168,22 @@ def test_error_line_prefers_oom_then_the_error():
 
 
 @pytest.mark.slow
+def test_per_rank_memory_keeps_peak_and_model_states_per_rank(tmp_path):
+    history = [
+        {"loss": 2.0, "gpu_mem_allocated_gib_rank0": 1.25, "gpu_mem_allocated_gib_rank1": 1.5,
+         "gpu_mem_peak_gib_rank0": 9.0, "gpu_mem_peak_gib_rank1": 8.0},
+        {"loss": 1.9, "gpu_mem_allocated_gib_rank0": 1.0, "gpu_mem_allocated_gib_rank1": 1.75,
+         "gpu_mem_peak_gib_rank0": 9.5, "gpu_mem_peak_gib_rank1": 8.0},
+        {"eval_loss": 1.8},
+    ]  # fmt: skip
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    memory = bench_run.per_rank_memory(tmp_path)
+    assert memory["train_states_allocated_gib_rank0"] == 1.25 and memory["train_states_allocated_gib_rank1"] == 1.75
+    assert memory["train_states_allocated_gib_max_rank"] == 1.75
+    assert memory["train_peak_allocated_gib_max_rank"] == 9.5
+    assert bench_run.per_rank_memory(tmp_path / "missing") == {}
+
+
 def test_runner_records_cold_and_warm_runs_and_reports_them(cifar_like, tiny_vit, tmp_path):
     results = tmp_path / "results"
     done = runner(
