@@ -4,8 +4,8 @@
 #     bash benchmarks/gpu_lora.sh                  # one H100/H200, ~4-5 min; results in $OUT
 #     NPROC=2 bash benchmarks/gpu_lora.sh          # the strategy checks on 2 GPUs (DDP joins them)
 #     GPU_LORA_CPU=1 bash benchmarks/gpu_lora.sh   # the same logic on a CPU with tiny assets (checks this script)
-#     GPU_LORA_PARTS="strategies reload" NPROC=2 bash benchmarks/gpu_lora.sh   # only some parts (speed, strategies,
-#                                                                             # reload, full, transfer)
+#     GPU_LORA_PARTS="strategies reload" NPROC=2 bash benchmarks/gpu_lora.sh   # only some parts (speed, vith,
+#                                                                             # strategies, reload, full, transfer)
 #     GPU_LORA_PARTS=transfer bash benchmarks/gpu_lora.sh   # the transfer check at full size (~6 min, one GPU):
 #         `python -m vit_recipes.transfer` (docs/lora.md); needs Fashion-MNIST's idx files in FASHION_MNIST
 #         (default /usr/share/datasets/fashion-mnist, else data/fashion-mnist-idx carried along)
@@ -22,7 +22,7 @@
 # $OUT gets gpu_lora.json (one record per run + checks), gpu_lora.md (tables) and gpu_lora.log.
 START=$(date +%s)
 BUDGET=${GPU_LORA_BUDGET:-285}
-PARTS=${GPU_LORA_PARTS:-speed strategies reload full}
+PARTS=${GPU_LORA_PARTS:-speed vith strategies reload full}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/gpu_lora_out}
 RESULTS=${GPU_LORA_RESULTS:-/tmp/bench/gpu_lora}
@@ -117,7 +117,9 @@ run vitb-full 60 "${single[@]}" -- --model_name_or_path "$MODEL_B" --dataset_nam
   --per_device_train_batch_size "$BATCH_B" --max_steps "$STEPS_SPEED" --learning_rate 1e-4 --do_eval false
 run vitb-lora 60 "${single[@]}" -- --model_name_or_path "$MODEL_B" --dataset_name "$DATA" \
   --per_device_train_batch_size "$BATCH_B" --max_steps "$STEPS_SPEED" --learning_rate 2e-3 --use_peft true "${EVAL[@]}"
+fi
 # 2. ViT-H/14 LoRA without and with gradient checkpointing (non-reentrant, the default kwargs).
+if has vith; then
 run vith-lora 60 "${single[@]}" -- --model_name_or_path "$MODEL_H" --dataset_name "$DATA" \
   --per_device_train_batch_size "$BATCH_H" --max_steps 25 --learning_rate 1e-3 --use_peft true --do_eval false
 run vith-lora-ckpt 60 "${single[@]}" -- --model_name_or_path "$MODEL_H" --dataset_name "$DATA" \
