@@ -335,8 +335,10 @@ def reevaluate(runs: list[Run], records: dict, work: Path, assets: Path, log) ->
             continue
         acc, loss = f"{split}_accuracy", f"{split}_loss"
         # Same weights, other batch composition (1 GPU vs the run's ranks): bf16 autocast flips a few near-tied
-        # predictions (seen: 0.3184 vs 0.3223, loss 2.4854 vs 2.4858). A wrong or unloaded model is far outside.
-        ok = (abs(again[acc] - reported[acc]) <= 0.005 + 1e-9
+        # predictions of these 20-step models (seen on 2 H200s: 3 of 512 images, 0.2930 vs 0.2988, with the loss
+        # equal to 0.03%). Up to 1% of the images may flip; the loss must agree to 0.2%. A wrong or unloaded model
+        # is far outside both (a 100-class model at chance scores 0.01, loss 4.6).
+        ok = (abs(again[acc] - reported[acc]) <= 0.01 + 1e-9
               and abs(again[loss] - reported[loss]) <= 2e-3 * abs(reported[loss]))  # fmt: skip
         detail = (f"{split} accuracy {again[acc]:.4f} vs {reported[acc]:.4f} in the run; loss "
                   f"{again[loss]:.4f} vs {reported[loss]:.4f}")  # fmt: skip

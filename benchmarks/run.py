@@ -311,9 +311,12 @@ def _run_quiet(cmd: list[str]) -> str | None:
 
 
 def git_commit() -> str:
+    # The launcher knows best: a tree copied to a GPU machine may carry a stale .git (or none).
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
     commit = _run_quiet(["git", "rev-parse", "HEAD"])
-    if not commit:  # e.g. a copy of the tree without .git: the launcher can say which commit it is
-        return os.environ.get("BENCH_GIT_COMMIT", "unknown")
+    if not commit:
+        return "unknown"
     dirty = _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"])
     return commit + ("-dirty" if dirty else "")
 

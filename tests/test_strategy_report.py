@@ -32,20 +32,20 @@ def test_report_table_for_two_gpus(report):
     base = section(text, "## vit-base, 2 GPUs")
     rows = [line for line in base.splitlines() if line.startswith("| ") and "x" in line.split("|")[1]]
     expected = [
-        "| single x1 (bf16) | 128 | 1,100 | 1,100 | 116.4 | 2.33 | 1.0% | 33.0% | 18.0 / 19.0 | 128 (OOM at 256) "
+        "| single x1 (bf16) | 128 | 1,100 | 1,100 | 116.4 | 2.33 | 1.0% | 33.0% | 18.0 / 19.0 | – | 128 (OOM at 256) "
         "| 100% (vs itself) | 0.0% (est.) | ok |",
         # Communication overhead measured from the (synthetic) traces of the batch-128 runs:
-        "| ddp x2 (bf16) | 128 | 2,120 | 1,060 | 120.8 | 2.42 | 1.0% | 31.8% | 18.6 / 19.5 | 128 (OOM at 256) "
+        "| ddp x2 (bf16) | 128 | 2,120 | 1,060 | 120.8 | 2.42 | 1.0% | 31.8% | 18.6 / 19.5 | 1.34 | 128 (OOM at 256) "
         "| 96% (vs 1 GPU) | 11.8% (trace) | ok |",
-        "| zero1 x2 (?) | – | 2,000 | 1,000 | – | – | – | – | – / – | – | – | – | ok |",  # a record with few keys
+        "| zero1 x2 (?) | – | 2,000 | 1,000 | – | – | – | – | – / – | – | – | – | – | ok |",  # a record with few keys
         # Best at batch 256, where no 1-GPU run fits: efficiency and overhead come from batch 128, and say so.
-        "| zero2 x2 (bf16) | 256 | 2,150 | 1,075 | 238.1 | 4.76 | 1.0% | 32.2% | 29.0 / 30.5 | 256 "
+        "| zero2 x2 (bf16) | 256 | 2,150 | 1,075 | 238.1 | 4.76 | 1.0% | 32.2% | 29.0 / 30.5 | – | 256 "
         "| 93% (vs 1 GPU, at batch 128) | 6.8% (est., at batch 128) | ok |",
-        "| zero3 x2 (bf16) | 128 | 1,850 | 925 | 138.4 | 2.77 | 1.0% | 27.7% | 12.5 / 13.5 | 128 "
+        "| zero3 x2 (bf16) | 128 | 1,850 | 925 | 138.4 | 2.77 | 1.0% | 27.7% | 12.5 / 13.5 | 0.73 | 128 "
         "| 84% (vs 1 GPU) | 41.0% (trace) | ok |",
-        "| zero3_offload x2 (bf16) | 128 | 600 | 300 | 426.7 | 8.53 | 1.0% | 9.0% | 5.5 / 6.5 | 128 "
+        "| zero3_offload x2 (bf16) | 128 | 600 | 300 | 426.7 | 8.53 | 1.0% | 9.0% | 5.5 / 6.5 | – | 128 "
         "| 27% (vs 1 GPU) | 72.7% (est.) | ok |",
-        "| fsdp2 x2 (bf16) | 128 | 1,900 | 950 | 134.7 | 2.69 | 1.0% | 28.5% | 12.8 / 13.9 | 128 "
+        "| fsdp2 x2 (bf16) | 128 | 1,900 | 950 | 134.7 | 2.69 | 1.0% | 28.5% | 12.8 / 13.9 | – | 128 "
         "| 86% (vs 1 GPU) | 13.6% (est.) | ok |",
     ]
     assert rows[: len(expected)] == expected

@@ -11,7 +11,8 @@ for each strategy.
 Record fields used (all optional except `strategy`): name, strategy, gpus, model, per_device_batch, precision,
 gradient_checkpointing, device, command, git_commit, versions, status, failure, error, fixture, trace_dir, and
 metrics: train_images_per_second, train_step_time_s, train_time_20_steps_s, train_data_wait_fraction, train_mfu,
-train_peak_allocated_gib, train_peak_reserved_gib, train_loss.
+train_peak_allocated_gib, train_peak_reserved_gib, train_states_allocated_gib_max_rank (memory still allocated
+between steps: parameters, optimizer states and gradient buffers, the part a strategy shards), train_loss.
 
 Definitions:
 - scaling efficiency = images/s per GPU / images/s of the `single` run with the same model, precision and
@@ -391,7 +392,7 @@ def summary_rows(variants: list[Variant], runs: list[Run]) -> list[list[str]]:
         if best is None:
             failure = next((r for r in v.runs if r.record.get("error")), v.runs[0])
             why = failure.record.get("failure") or failure.record.get("status") or "no metrics"
-            rows.append([v.label, *["–"] * 11, f"failed ({why})"])
+            rows.append([v.label, *["–"] * 12, f"failed ({why})"])
             continue
         efficiency = _first_available(v, best, lambda r: scaling_efficiency(r, runs))
         overhead = _first_available(v, best, lambda r: comm_overhead(r, runs))
@@ -408,6 +409,7 @@ def summary_rows(variants: list[Variant], runs: list[Run]) -> list[list[str]]:
                 _fmt(best.m("train_data_wait_fraction"), 1, pct=True),
                 _fmt(best.m("train_mfu"), 1, pct=True),
                 memory,
+                _fmt(best.m("train_states_allocated_gib_max_rank"), 2),
                 fits,
                 f"{_fmt(efficiency[0], 0, pct=True)} (vs {efficiency[1]})" if efficiency else "–",
                 f"{_fmt(overhead[0], 1, pct=True)} ({overhead[1]})" if overhead else "–",
@@ -440,6 +442,7 @@ SUMMARY_HEADERS = [
     "Data wait",
     "MFU",
     "Peak alloc / reserved GiB per GPU",
+    "Model states GiB per GPU",
     "Largest batch that fit",
     "Scaling efficiency",
     "Comm. overhead",
@@ -525,8 +528,10 @@ def chart_memory(groups: dict[str, list[Variant]], path: Path) -> Path:
         x = range(len(chosen))
         allocated = [r.m("train_peak_allocated_gib") or 0.0 for _, r in chosen]
         reserved = [r.m("train_peak_reserved_gib") or 0.0 for _, r in chosen]
-        ax.bar([i - 0.2 for i in x], allocated, width=0.4, label="peak allocated")
-        ax.bar([i + 0.2 for i in x], reserved, width=0.4, label="peak reserved")
+        states = [r.m("train_states_allocated_gib_max_rank") or 0.0 for _, r in chosen]
+        ax.bar([i - 0.27 for i in x], allocated, width=0.27, label="peak allocated")
+        ax.bar(list(x), reserved, width=0.27, label="peak reserved")
+        ax.bar([i + 0.27 for i in x], states, width=0.27, label="model states (between steps)")
         ax.set_xticks(list(x), [v.label for v, _ in chosen], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("GiB per GPU")
         ax.set_title(f"{model}: memory per GPU " + (f"(batch {batch}/GPU)" if batch else "(each at its best batch)"))
@@ -646,7 +651,9 @@ def markdown(
         + (f" Commits: {', '.join(commits)}." if commits else ""),
         "",
         "How to read: *Batch/GPU* is the per-GPU batch with the highest throughput for that strategy; memory, step "
-        "time and MFU are at that batch. *Scaling efficiency* is images/s per GPU relative to one GPU at the same "
+        "time and MFU are at that batch. *Model states* is what stays allocated between steps on the largest rank "
+        "(parameters, optimizer states, gradient buffers: the part a strategy shards; peak memory adds the "
+        "activations). *Scaling efficiency* is images/s per GPU relative to one GPU at the same "
         "per-GPU batch. *Comm. overhead* is the share of the step spent in communication that compute does not hide: "
         "from profiler traces (trace) or estimated from the step time's excess over one GPU (est., which also counts "
         "sharding overheads). MFU is against the GPU's dense bf16/TF32 peak.",

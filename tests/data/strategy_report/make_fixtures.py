@@ -17,7 +17,19 @@ DEVICE = "FIXTURE GPU (made-up numbers)"
 
 
 def record(
-    name, strategy, gpus, model, batch, ips=None, mem=None, mfu=None, wait=0.01, status="ok", error=None, **extra
+    name,
+    strategy,
+    gpus,
+    model,
+    batch,
+    ips=None,
+    mem=None,
+    mfu=None,
+    wait=0.01,
+    status="ok",
+    error=None,
+    states=None,
+    **extra,
 ):
     metrics = {}
     if ips is not None:
@@ -33,6 +45,8 @@ def record(
             metrics["train_mfu"] = mfu
         if mem is not None:
             metrics["train_peak_allocated_gib"], metrics["train_peak_reserved_gib"] = mem
+        if states is not None:
+            metrics["train_states_allocated_gib_max_rank"] = states
     return {
         "fixture": True,
         "name": name,
@@ -67,7 +81,7 @@ RECORDS = [
         error="torch.OutOfMemoryError: CUDA out of memory",
     ),
     record("base-ddp-b64", "ddp", 2, "vit-base", 64, 1900, (10.5, 11.5), 0.285),
-    record("base-ddp-b128", "ddp", 2, "vit-base", 128, 2120, (18.6, 19.5), 0.318, trace_dir="traces/ddp"),
+    record("base-ddp-b128", "ddp", 2, "vit-base", 128, 2120, (18.6, 19.5), 0.318, trace_dir="traces/ddp", states=1.34),
     record(
         "base-ddp-b256", "ddp", 2, "vit-base", 256, status="failed", error="torch.OutOfMemoryError: CUDA out of memory"
     ),
@@ -76,7 +90,18 @@ RECORDS = [
     record("base-zero2-b128", "zero2", 2, "vit-base", 128, 2050, (15.0, 16.0), 0.307),
     record("base-zero2-b256", "zero2", 2, "vit-base", 256, 2150, (29.0, 30.5), 0.322),
     record("base-zero3-b64", "zero3", 2, "vit-base", 64, 1500, (6.0, 7.0), 0.225),
-    record("base-zero3-b128", "zero3", 2, "vit-base", 128, 1850, (12.5, 13.5), 0.277, trace_dir="traces/zero3"),
+    record(
+        "base-zero3-b128",
+        "zero3",
+        2,
+        "vit-base",
+        128,
+        1850,
+        (12.5, 13.5),
+        0.277,
+        trace_dir="traces/zero3",
+        states=0.73,
+    ),
     record("base-zero3-offload-b64", "zero3_offload", 2, "vit-base", 64, 400, (3.0, 4.0), 0.06),
     record("base-zero3-offload-b128", "zero3_offload", 2, "vit-base", 128, 600, (5.5, 6.5), 0.09),
     record("base-fsdp2-b64", "fsdp2", 2, "vit-base", 64, 1550, (6.2, 7.1), 0.232),
