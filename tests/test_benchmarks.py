@@ -168,6 +168,16 @@ def test_error_line_prefers_oom_then_the_error():
 
 
 @pytest.mark.slow
+def test_launcher_given_commit_wins_over_a_stale_git(monkeypatch):
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "d8404e64ee244ce7116b5ee6ebe39301d9d1687f")
+    assert bench_run.git_commit() == "d8404e64ee244ce7116b5ee6ebe39301d9d1687f"
+    monkeypatch.delenv("BENCH_GIT_COMMIT")
+    assert (
+        bench_run.git_commit().split("-")[0]
+        == subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    )
+
+
 def test_per_rank_memory_keeps_peak_and_model_states_per_rank(tmp_path):
     history = [
         {"loss": 2.0, "gpu_mem_allocated_gib_rank0": 1.25, "gpu_mem_allocated_gib_rank1": 1.5,
