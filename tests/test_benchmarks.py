@@ -141,6 +141,19 @@ def test_suites_expand():
     defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "multi_gpu_sweep.yaml"))
     assert len(runs) == 30
 
+    defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "scaling.yaml"))
+    runs = [bench_run.normalise(r, defaults) for r in runs]
+    assert runs[0]["strategy"] == "single" and runs[0]["gpus"] == 1  # the baseline first
+    assert {(r["strategy"], r["gpus"]) for r in runs} >= {
+        (s, g) for s in ("ddp", "zero2", "zero3", "fsdp2") for g in (2, 4)
+    }
+    assert all(r["steps"] >= 100 and r["batch"] == 256 for r in runs)
+
+    defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "traces.yaml"))
+    runs = [bench_run.normalise(r, defaults) for r in runs]
+    assert all("--profile_steps" in r["extra"] for r in runs)  # every record keeps traces (trace_dir)
+    assert {r["model"].split("/")[-1] for r in runs} == {"vit-base", "vit-huge"}
+
 
 def test_error_line_prefers_oom_then_the_error():
     log = "\n".join(
