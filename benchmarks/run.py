@@ -90,6 +90,7 @@ RUN_KEYS = {
     "dataset_tag",
     "launcher",
     "min_left",
+    "ds_overrides",
 }
 MIN_RUN_SECONDS = 40  # with a time budget, a run is not started with less left than this
 OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|Cannot allocate memory", re.I)
@@ -179,6 +180,13 @@ def normalise(run: dict, defaults: dict | None = None) -> dict:
         raise PlanError("strategy 'ddp' needs --gpus >= 2 (use 'single' for one GPU)")
     if run["launcher"] not in ("accelerate", "torchrun"):
         raise PlanError(f"launcher must be accelerate or torchrun, got {run['launcher']!r}")
+    if run.get("ds_overrides") is not None:
+        if not isinstance(run["ds_overrides"], dict) or not run["ds_overrides"]:
+            raise PlanError(
+                "ds_overrides: a mapping of dotted DeepSpeed keys to values, e.g. {zero_optimization.reduce_bucket_size: 5e7}"
+            )
+        if not run["strategy"].startswith("zero"):
+            raise PlanError(f"ds_overrides: strategy {run['strategy']!r} does not use DeepSpeed")
     run["name"] = str(run.get("name") or default_name(run))
     if not re.fullmatch(r"[\w.+-]+", run["name"]):
         raise PlanError(f"run name {run['name']!r}: use letters, digits, '.', '_', '+', '-'")
@@ -224,7 +232,23 @@ def sweep_runs(batches=SWEEP_BATCHES, variants=SWEEP_VARIANTS) -> list[dict]:
     return [{"strategy": s, "precision": p, "batch": b} for s, p in variants for b in batches]
 
 
-def launch_prefix(run: dict, port: int | None = None) -> list[str]:
+def deepspeed_config(run: dict) -> dict:
+    """The strategy's DeepSpeed JSON (the one its accelerate YAML points to) with the run's ds_overrides applied."""
+    import yaml
+
+    yaml_file = ROOT / "accelerate_configs" / STRATEGIES[run["strategy"]]
+    json_file = ROOT / yaml.safe_load(yaml_file.read_text())["deepspeed_config"]["deepspeed_config_file"]
+    config = json.loads(json_file.read_text())
+    for dotted, value in run["ds_overrides"].items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = int(value) if isinstance(value, float) and value.is_integer() else value
+    return config
+
+
+def launch_prefix(run: dict, port: int | None = None, ds_config_file: str | None = None) -> list[str]:
     """The launcher part of the command (argv), before the script."""
     strategy, gpus = run["strategy"], run["gpus"]
     if strategy == "single":
@@ -239,6 +263,8 @@ def launch_prefix(run: dict, port: int | None = None) -> list[str]:
         if not config.is_file():
             raise PlanError(f"accelerate config for {strategy} not found: {config.relative_to(ROOT)}")
         cmd += ["--config_file", str(config.relative_to(ROOT))]
+        if ds_config_file:  # a launch argument overrides the YAML's deepspeed_config_file
+            cmd += ["--deepspeed_config_file", ds_config_file]
     # On the command line, not from the YAML: the Trainer reads ACCELERATE_MIXED_PRECISION before --bf16, so a
     # YAML saying bf16 would silently turn an fp32 run into bf16.
     cmd += ["--num_processes", str(gpus), "--num_machines", "1"]
@@ -286,8 +312,8 @@ def script_args(run: dict, output_dir: str) -> list[str]:
     return args + run["extra"]
 
 
-def build_command(run: dict, output_dir: str, port: int | None = None) -> list[str]:
-    return launch_prefix(run, port) + script_args(run, output_dir)
+def build_command(run: dict, output_dir: str, port: int | None = None, ds_config_file: str | None = None) -> list[str]:
+    return launch_prefix(run, port, ds_config_file) + script_args(run, output_dir)
 
 
 def display_command(argv: list[str]) -> str:
@@ -502,6 +528,7 @@ def base_record(run: dict, suite: str, context: dict) -> dict:
         "steps": run["steps"],
         "dataloader_workers": run["workers"],
         "extra_args": extra,
+        "ds_overrides": run.get("ds_overrides"),
         "cache": None,
         "device": context["device"],
         "device_memory_gib": context["device_memory_gib"],
@@ -535,7 +562,13 @@ def execute(
         shutil.rmtree(output_dir, ignore_errors=True)  # the script refuses a folder holding a finished run
     try:
         port = free_port() if run["strategy"] != "single" else None
-        argv = build_command(run, str(output_dir), port)
+        ds_config_file = None
+        if run.get("ds_overrides"):  # kept next to the log: the record says exactly what ran
+            ds_path = logs / f"{run['name']}.ds_config.json"
+            ds_path.write_text(json.dumps(deepspeed_config(run), indent=2) + "\n")
+            ds_config_file = str(ds_path)
+            record["ds_config"] = str(ds_path.relative_to(results))
+        argv = build_command(run, str(output_dir), port, ds_config_file)
         record["command"] = display_command(argv)
         code, seconds = run_process(argv, child_env(run, context["gpu_names"], cache_dir), log_path, run["timeout"])
         record["wall_seconds"] = round(seconds, 2)
@@ -763,7 +796,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for run in runs:
             try:
-                command = display_command(build_command(run, "<output_dir>"))
+                ds_file = f"<results>/logs/{run['name']}.ds_config.json" if run.get("ds_overrides") else None
+                command = display_command(build_command(run, "<output_dir>", ds_config_file=ds_file))
             except PlanError as err:
                 command = f"(cannot run: {err})"
             print(f"{run['name']}{' [decode cold+warm]' if run['decode'] else ''}: {command}")

@@ -154,6 +154,11 @@ def test_suites_expand():
     assert all("--profile_steps" in r["extra"] for r in runs)  # every record keeps traces (trace_dir)
     assert {r["model"].split("/")[-1] for r in runs} == {"vit-base", "vit-huge"}
 
+    defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "zero3_tuning.yaml"))
+    runs = [bench_run.normalise(r, defaults) for r in runs]
+    assert len({r["name"] for r in runs}) == len(runs) and all(r["strategy"] == "zero3" for r in runs)
+    assert all(bench_run.deepspeed_config(r) for r in runs if r.get("ds_overrides"))
+
 
 def test_error_line_prefers_oom_then_the_error():
     log = "\n".join(
@@ -189,6 +194,29 @@ def test_launcher_given_commit_wins_over_a_stale_git(monkeypatch):
         bench_run.git_commit().split("-")[0]
         == subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
     )
+
+
+def test_ds_overrides_reach_deepspeed_through_accelerate(tmp_path, monkeypatch):
+    run = plan(strategy="zero3", gpus=2, ds_overrides={"zero_optimization.stage3_prefetch_bucket_size": 5e7})
+    config = bench_run.deepspeed_config(run)
+    shipped = json.loads((ROOT / "ds_configs/zero3.json").read_text())
+    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000  # an int, as DeepSpeed wants
+    assert {k: v for k, v in config["zero_optimization"].items() if k != "stage3_prefetch_bucket_size"} == {
+        k: v for k, v in shipped["zero_optimization"].items() if k != "stage3_prefetch_bucket_size"
+    }
+    ds_file = tmp_path / "ds.json"
+    argv = bench_run.build_command(run, "out", port=29999, ds_config_file=str(ds_file))
+    # accelerate itself: a --deepspeed_config_file on the command line wins over the YAML's (ds_configs/zero3.json)
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    monkeypatch.chdir(ROOT)
+    launch_args = argv[argv.index("accelerate.commands.launch") + 1 :]
+    args = _validate_launch_command(launch_command_parser().parse_args(launch_args))[0]
+    assert args.use_deepspeed and args.deepspeed_config_file == str(ds_file)
+    args = _validate_launch_command(launch_command_parser().parse_args([*bench_run.launch_prefix(run)[3:], "x.py"]))[0]
+    assert args.deepspeed_config_file == "ds_configs/zero3.json"
+    with pytest.raises(bench_run.PlanError, match="does not use DeepSpeed"):
+        plan(strategy="fsdp2", gpus=2, ds_overrides={"a.b": 1})
 
 
 def test_per_rank_memory_keeps_peak_and_model_states_per_rank(tmp_path):
