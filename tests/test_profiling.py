@@ -15,6 +15,7 @@ from vit_recipes import trace_analysis
 from vit_recipes.profiling import flops_profiler_output, keep_flops_profile
 
 SYNTHETIC_TRACES = ROOT / "tests/data/strategy_report/records/traces"  # hand-built GPU traces (test fixtures)
+H200_TRACES = ROOT / "benchmarks/results/h200x2_traces"  # real traces: ViT-B, 2x H200, DDP and ZeRO-3
 REGIONS = {"data", "augment", "forward", "backward", "optimizer_step"}
 HAS_HTA = importlib.util.find_spec("hta") is not None
 
@@ -156,6 +157,129 @@ def test_trace_report_compares_two_runs(tmp_path):
         assert "COMMUNICATION" in text  # HTA's kernel-type breakdown
     for name in ("breakdown", "regions", "top_ops"):
         assert (tmp_path / f"cmp_{name}.png").read_bytes().startswith(b"\x89PNG")
+
+
+def cuda_trace(rank: int, late_us: float) -> dict:
+    """Two steps of a 2-rank CUDA trace laid out as torch 2.11 writes them (CPU and GPU `ProfilerStep#N`, launches
+    matched to kernels by correlation, NCCL kernels on their own stream); rank 1 reaches the all-reduce `late_us`
+    after rank 0. Per step (1000 us): forward [0, 300) launches a 200 us GEMM at 20; backward [300, 950) launches a
+    300 us GEMM at 320 and the all-reduce at 610 (+ late_us), which ends 100 us after the last rank arrives; the
+    host then waits outside the regions until 1000."""
+    cpu, gpu = 100 + rank, rank
+    events = [
+        {"ph": "M", "name": "process_labels", "pid": gpu, "tid": 0, "args": {"labels": f"GPU {gpu}"}},
+        {"ph": "M", "name": "process_labels", "pid": cpu, "tid": 0, "args": {"labels": "CPU"}},
+    ]
+    correlation = 0
+
+    def span(cat, name, ts, dur, pid=cpu, tid=cpu, **args):
+        events.append(
+            {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+        )
+
+    def launch(name, launch_ts, start, dur, stream=7, **args):
+        nonlocal correlation
+        correlation += 1
+        span("cuda_runtime", "cudaLaunchKernel", launch_ts, 5, correlation=correlation, **{"External id": correlation})
+        span("kernel", name, start, dur, gpu, stream, device=gpu, stream=stream, correlation=correlation, **args)
+
+    for step in (1, 2):
+        s = 1_000_000.0 + 1000 * (step - 1)
+        span("user_annotation", f"ProfilerStep#{step}", s, 1000)
+        span("gpu_user_annotation", f"ProfilerStep#{step}", s + 20, 890, gpu, 7)  # the GPU copy: not a step
+        span("user_annotation", "forward", s, 300)
+        span("user_annotation", "backward", s + 300, 650)
+        launch("nvjet_sm90_gemm_fwd", s + 10, s + 20, 200)
+        launch("nvjet_sm90_gemm_bwd", s + 310, s + 320, 300)
+        start = s + 610 + (late_us if rank == 1 else 0)
+        end = s + 610 + late_us + 100
+        nccl = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+        launch(
+            nccl,
+            start - 10,
+            start,
+            end - start,
+            stream=17,
+            **{"Process Group Name": "0", "Collective name": "allreduce"},
+        )
+    return {
+        "schemaVersion": 1,
+        "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": 2},
+        "vit_recipes_profile": {"first_step": 20, "last_step": 21, "step_offset": 19, "world_size": 2, "rank": rank},
+        "deviceProperties": [{"id": 0, "name": "NVIDIA H200"}, {"id": 1, "name": "NVIDIA H200"}],
+        "traceEvents": events,
+    }
+
+
+def test_cuda_traces_steps_collective_waits_and_gpu_regions(tmp_path):
+    """GPU traces: steps are the host's ProfilerStep spans only, HTA covers every profiled step, NCCL time splits
+    into waiting for the late rank and transfer, and GPU idle time is placed in the host's regions."""
+    folder = tmp_path / "profiler"
+    folder.mkdir()
+    for rank in (0, 1):
+        with gzip.open(folder / f"rank{rank}.pt.trace.json.gz", "wt") as f:
+            json.dump(cuda_trace(rank, late_us=200), f)
+    result = trace_analysis.analyze(folder, "gpu", use_hta=HAS_HTA)
+    r0, r1 = result.ranks
+    for r in (r0, r1):
+        assert r.steps == 2 and r.step_time_ms == pytest.approx(1.0)  # not 4 steps of mixed CPU and GPU spans
+        assert r.per_step(r.compute_ms + r.exposed_comm_ms + r.idle_ms) == pytest.approx(1.0)
+        assert r.per_step(r.compute_ms) == pytest.approx(0.5)
+    assert result.kind == "gpu" and result.wait_note is None
+    # rank 0 reached the all-reduce 200 us early: 300 us of kernel, 290 exposed, 200 of it waiting (190 exposed)
+    assert r0.per_step(r0.comm_ms) == pytest.approx(0.3) and r0.per_step(r0.exposed_comm_ms) == pytest.approx(0.29)
+    assert r0.per_step(r0.wait_ms) == pytest.approx(0.2) and r0.per_step(r0.exposed_wait_ms) == pytest.approx(0.19)
+    assert r0.per_step(r0.idle_ms) == pytest.approx(0.21)
+    assert r1.per_step(r1.comm_ms) == pytest.approx(0.1) and r1.wait_ms == pytest.approx(0.0)
+    assert r1.per_step(r1.idle_ms) == pytest.approx(0.4)
+    all_reduce = r0.collectives["AllReduce"]
+    assert all_reduce["calls"] == 2 and all_reduce["wait_ms"] == pytest.approx(0.4)
+    # GPU view of the regions: kernels by where they were launched, idle by where the host was
+    assert r0.gpu_regions["forward"] == pytest.approx({"kernel_ms": 0.4, "idle_ms": 0.2})
+    assert r0.gpu_regions["backward"] == pytest.approx({"kernel_ms": 1.18, "idle_ms": 0.12})
+    assert r0.gpu_regions[trace_analysis.OUTSIDE] == pytest.approx({"kernel_ms": 0.0, "idle_ms": 0.1})
+    assert r1.gpu_regions["backward"]["idle_ms"] == pytest.approx(0.5)  # rank 1's host was late
+    if HAS_HTA:
+        assert result.hta["steps"] == [1, 2]  # HTA leaves out the last step unless told not to
+        spans = result.hta["temporal_breakdown"]["kernel_time(us)"].tolist()
+        assert spans == pytest.approx([1890, 1890])  # first kernel of step 1 to last kernel of step 2
+    out = trace_analysis.write_report([result], tmp_path / "report.md")
+    text = out.read_text()
+    assert "| gpu | 0 | 2 | 1.00 | 0.5 (50.0%) | 0.3 (30.0%) | 0.3 (29.0%) | 0.2 (19.0%) | 0.2 (21.0%) |" in text
+    assert "### NCCL collectives: gpu" in text and "### GPU view of the labelled regions: gpu" in text
+
+    # On different clocks the matched collectives no longer end together: no wait split, and the report says why
+    with gzip.open(folder / "rank1.pt.trace.json.gz", "rt") as f:
+        shifted = json.load(f)
+    for event in shifted["traceEvents"]:
+        if "ts" in event:
+            event["ts"] += 5_000
+    with gzip.open(folder / "rank1.pt.trace.json.gz", "wt") as f:
+        json.dump(shifted, f)
+    skewed = trace_analysis.analyze(folder, "gpu", use_hta=False)
+    assert "clocks differ" in skewed.wait_note and skewed.ranks[0].wait_ms is None
+
+
+@pytest.mark.skipif(not (H200_TRACES / "zero3/profiler").is_dir(), reason="H200 traces not in this checkout")
+def test_real_h200_traces_ddp_vs_zero3():
+    """The traces in benchmarks/results/h200x2_traces (steps 20-21 of ViT-B, bf16, b256/GPU, 2x H200)."""
+    ddp = trace_analysis.analyze(H200_TRACES / "ddp/profiler", "ddp", use_hta=HAS_HTA)
+    zero3 = trace_analysis.analyze(H200_TRACES / "zero3/profiler", "zero3", use_hta=False)
+    for s in (ddp, zero3):
+        assert [r.steps for r in s.ranks] == [2, 2]  # the host's ProfilerStep spans, not their GPU copies
+        assert s.kind == "gpu" and s.wait_note is None
+    a, b = ddp.summary(), zero3.summary()
+    assert 100 < a["step_time_ms"] < 115 and 280 < b["step_time_ms"] < 320
+    assert a["compute_ms"] == pytest.approx(b["compute_ms"], rel=0.1)  # the same kernels' worth of work
+    assert a["collectives"]["AllReduce"]["calls"] == 13  # DDP's gradient buckets
+    assert set(b["collectives"]) == {"AllGather", "ReduceScatter", "AllReduce"}
+    assert b["collectives"]["AllGather"]["calls"] == pytest.approx(133.5)  # ZeRO-3 fetches parameters per module
+    transfer = sum(c["kernel_ms"] - c["wait_ms"] for c in b["collectives"].values())
+    assert transfer < 5 and b["exposed_wait_ms"] > 0.9 * b["exposed_comm_ms"] > 30  # waiting, not bandwidth
+    assert b["idle_ms"] > 120 and a["idle_ms"] < 15
+    if HAS_HTA:
+        assert ddp.hta["steps"] == [1, 2]
+        assert ddp.hta["temporal_breakdown"]["kernel_time(us)"].min() > 200_000  # both steps, not one
 
 
 def test_no_hta_falls_back_and_says_so(tmp_path):

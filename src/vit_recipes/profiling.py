@@ -8,7 +8,9 @@ The profiler records a window of optimizer steps on every rank and writes, per r
 Labelled regions in the trace (record_function, see trainer.py): `data` (fetching batches), `forward`
 (compute_loss), `backward`, `optimizer_step`; communication appears as the backend's own ops and kernels
 (`gloo:all_reduce`, `nccl:all_reduce`, `ncclDevKernel_...`, `record_param_comms`). Steps are the profiler's
-`ProfilerStep#N` spans; the trace's `vit_recipes_profile` metadata maps them to global steps.
+`ProfilerStep#N` spans on the host thread (CUDA traces repeat them, and the regions, on the GPU timeline as
+`gpu_user_annotation` events spanning the kernels: those are not steps); the trace's `vit_recipes_profile`
+metadata maps them to global steps (ProfilerStep#N is global step N + step_offset).
 """
 
 from __future__ import annotations
