@@ -655,8 +655,9 @@ def markdown(
         "(parameters, optimizer states, gradient buffers: the part a strategy shards; peak memory adds the "
         "activations). *Scaling efficiency* is images/s per GPU relative to one GPU at the same "
         "per-GPU batch. *Comm. overhead* is the share of the step spent in communication that compute does not hide: "
-        "from profiler traces (trace) or estimated from the step time's excess over one GPU (est., which also counts "
-        "sharding overheads). MFU is against the GPU's dense bf16/TF32 peak.",
+        "from profiler traces (trace: communication kernels running with no compute, which includes a rank waiting "
+        "for the others to reach a collective) or estimated from the step time's excess over one GPU (est., which "
+        "also counts sharding overheads). MFU is against the GPU's dense bf16/TF32 peak.",
         "",
     ]
     for model, variants in groups.items():
