@@ -10,7 +10,11 @@ The whole script under FSDP2 is proven on GPUs (benchmarks/gpu_strategies.sh).
         tests/fsdp2_cpu_worker.py MODEL_DIR OUT_DIR STEPS [lora]
 
 With `lora`, the model is first wrapped by our LoRA set-up (vit_recipes.lora.apply_lora: query/value adapters plus
-the full head), as `--use_peft` does before the Trainer hands it to accelerate.
+the full head), as `--use_peft` does before the Trainer hands it to accelerate. After training, the worker then saves
+the adapter the way the script does under FSDP2 (`save_adapter`): our save_final_model with the Trainer's own
+save_model/_save (accelerator.get_state_dict -> PeftModel.save_pretrained(state_dict=...)), once as an adapter into
+<out>/adapter and once merged (--merge_adapter) into <out>/merged, next to <out>/trained.safetensors: the trained
+adapter and head, gathered straight from the shards, for the test to compare the files with.
 """
 
 from __future__ import annotations
@@ -18,14 +22,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import FullyShardedDataParallelPlugin
-from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_canonicalize_names, fsdp2_prepare_model
 from transformers import ViTForImageClassification
 
-from vit_recipes.lora import LoraArguments, apply_lora
+from vit_recipes.lora import FinetuneSetup, LoraArguments, _model_args, apply_lora, base_signature, save_final_model
 from vit_recipes.strategy import check_fsdp_wrap
 
 
@@ -45,13 +50,52 @@ def load(model_dir: str, lora: bool):
     return model
 
 
+def save_adapter(accelerator, model, output_dir: Path, setup: FinetuneSetup) -> None:
+    """What the script's save does after FSDP2 training, on every rank: our save_final_model, with the Trainer's own
+    save_model and _save (transformers' code, not a copy) on a Trainer that holds only what they read.
+
+    The Trainer itself is not built here: its Accelerator would refuse FSDP on the CPU (so would the script).
+    """
+    from vit_recipes.trainer import ImageClassificationTrainer
+
+    trainer = ImageClassificationTrainer.__new__(ImageClassificationTrainer)
+    main_process = accelerator.is_main_process
+    trainer.__dict__.update(
+        model=model,  # the Trainer's self.model under FSDP2: the prepared (sharded, wrapped) PeftModel
+        model_wrapped=model,
+        accelerator=accelerator,
+        args=SimpleNamespace(
+            output_dir=str(output_dir),
+            should_save=main_process,
+            process_index=accelerator.process_index,
+            push_to_hub=False,
+            hub_revision=None,
+        ),
+        is_fsdp_enabled=True,
+        is_deepspeed_enabled=False,
+        is_fsdp_xla_v1_enabled=False,
+        is_distributed_loading_by_transformers=False,
+        processing_class=None,
+        data_collator=None,
+    )
+    save_final_model(trainer, setup)
+    if main_process:  # the script then writes the labels' config next to it
+        model.config.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()
+
+
 def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
     accelerator = Accelerator(cpu=True)  # a gloo process group over the ranks accelerate launch started
     plugin = FullyShardedDataParallelPlugin()  # filled from the FSDP_* variables accelerate launch set
     accelerator.state.fsdp_plugin = plugin
+    # FSDP as the Trainer's Accelerator has it on GPUs (the CPU one says MULTI_CPU): get_state_dict then takes its
+    # FSDP2 path, the full state dict gathered to rank 0. Nothing else here reads it.
+    accelerator.state.distributed_type = DistributedType.FSDP
+    assert accelerator.is_fsdp2
     rank, world = accelerator.process_index, accelerator.num_processes
 
     model = load(model_dir, lora)
+    signature = base_signature(model) if lora else None  # of the frozen base, as build_finetune_model records it
     check_fsdp_wrap(None, model)  # our refusal must let the shipped config through
     full = {name: p.numel() for name, p in model.named_parameters()}
     if plugin.activation_checkpointing:
@@ -97,8 +141,27 @@ def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
         "local_numel": sum(local.values()),
         "losses": losses,
     }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if lora:
+        # the trained adapters and head, each gathered from its shards (a collective: every rank, same order)
+        trained = {
+            name: p.full_tensor().detach().clone()
+            for name, p in fsdp2_canonicalize_names(dict(model.named_parameters())).items()
+            if p.requires_grad
+        }
+        if rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(trained, out / "trained.safetensors")
+        labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
+        for name, merge in (("adapter", False), ("merged", True)):
+            setup = FinetuneSetup(
+                "lora", merge, _model_args(SimpleNamespace(), model_name_or_path=model_dir), labels, {}, signature
+            )
+            save_adapter(accelerator, model, out / name, setup)
+        report["saved"] = sorted(p.name for p in out.iterdir() if p.is_dir())
+    (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     accelerator.wait_for_everyone()
 
 

@@ -8,8 +8,8 @@ same global batch as the single-process baseline (8), so the per-step losses mus
 
 accelerate runs FSDP2 only on GPUs (the script refuses it on the CPU), but torch's fully_shard shards over gloo: the
 FSDP2 tests apply accelerate's own FSDP2 preparation, configured by `accelerate launch` from our YAMLs, to a tiny ViT
-in 2 processes (tests/fsdp2_cpu_worker.py). The whole script under FSDP2 is proven on GPUs
-(benchmarks/gpu_strategies.sh).
+in 2 processes (tests/fsdp2_cpu_worker.py); with LoRA they also save the adapter through the Trainer's own FSDP2
+save and merge it. The whole script under FSDP2 is proven on GPUs (benchmarks/gpu_strategies.sh).
 """
 
 from __future__ import annotations
@@ -584,8 +584,9 @@ def test_fsdp_turns_gradient_checkpointing_into_its_own(monkeypatch):
     assert not args.training.gradient_checkpointing  # no second checkpointing pass inside FSDP's
 
 
-def single_process_losses(model_dir: Path, steps: int, lora: bool = False) -> list[float]:
-    """The FSDP2 worker's loop in one process on the whole batch: the reference its sharded losses must match."""
+def single_process_run(model_dir: Path, steps: int, lora: bool = False):
+    """The FSDP2 worker's loop in one process on the whole batch: the reference its sharded losses (and, with LoRA,
+    its saved adapter) must match. Returns the losses and the trained model."""
     from fsdp2_cpu_worker import fixed_batches, load
 
     model = load(str(model_dir), lora)
@@ -597,19 +598,60 @@ def single_process_losses(model_dir: Path, steps: int, lora: bool = False) -> li
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, model
+
+
+def check_saved_lora(out: Path, model_dir: Path, reference) -> None:
+    """The worker's FSDP2 saves (see fsdp2_cpu_worker.save_adapter): the adapter file holds every LoRA weight and the
+    head with their trained values, and both it and the merged model reload to the single-process trained model."""
+    from fsdp2_cpu_worker import load
+    from transformers import AutoModelForImageClassification
+
+    from vit_recipes.lora import load_model
+
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    lora_keys = {
+        f"base_model.model.vit.layers.{i}.attention.{proj}.lora_{ab}.weight"
+        for i in range(2)
+        for proj in ("q_proj", "v_proj")
+        for ab in "AB"
+    }
+    assert set(adapter) == lora_keys | {"base_model.model.classifier.weight", "base_model.model.classifier.bias"}
+    trained = load_file(out / "trained.safetensors")  # gathered from the shards, not through the save
+    initial = dict(load(str(model_dir), lora=True).named_parameters())
+    one_process = dict(reference.named_parameters())
+    for key, value in adapter.items():
+        name = key.replace(".weight", ".default.weight").replace(".bias", ".default.bias")
+        name = name.replace("classifier.default.", "classifier.modules_to_save.default.")
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
+        torch.testing.assert_close(value, one_process[name].detach(), rtol=1e-4, atol=1e-5)  # measured: 1.5e-8
+        assert not torch.equal(value, initial[name].detach()), f"{key} holds its initial values"
+    assert all(adapter[k].abs().sum() > 0 for k in lora_keys if "lora_B" in k)  # lora_B starts at zero
+
+    assert not (out / "merged" / "adapter_model.safetensors").exists()
+    pixels = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference.eval()(pixel_values=pixels).logits
+        from_adapter = load_model(out / "adapter", base_model_name_or_path=str(model_dir))(pixel_values=pixels).logits
+        merged = AutoModelForImageClassification.from_pretrained(out / "merged").eval()(pixel_values=pixels).logits
+    torch.testing.assert_close(merged, from_adapter, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(from_adapter, expected, rtol=1e-4, atol=1e-5)  # FSDP2 vs one process: 4e-8 measured
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_fsdp2_config_really_shards_vit(lora, same_head_vit, tmp_path):
+@pytest.mark.parametrize(
+    "lora, checkpointing", [(False, True), (True, True), (True, False)], ids=["full", "lora", "lora-no-checkpointing"]
+)
+def test_fsdp2_config_really_shards_vit(lora, checkpointing, same_head_vit, tmp_path):
     """fsdp.yaml, through `accelerate launch` and accelerate's own FSDP2 preparation, shards every ViT parameter in
     two halves (each layer checkpointed, patch embedding, root) and trains to the single-process losses.
 
     accelerate's default wrap list (ViTLayer + ViTEmbeddings) crashed here and on GPUs; the YAMLs name ViTLayer.
     fsdp_offload.yaml cannot run here (torch's CPUOffloadPolicy needs an accelerator): proven on GPUs only.
     With LoRA (our --use_peft wrapping), the frozen base and the adapters are sharded alike and only the adapters and
-    the head train.
+    the head train; then the adapter is saved as the script saves it (the Trainer's FSDP2 FULL_STATE_DICT save), and
+    merged. With FSDP's activation checkpointing, peft saved the head alone on 2 H200s (the merge then failed: "missing
+    adapter keys"); the same happened here until ImageClassificationTrainer._save saved through lora.without_activation_wrappers.
     """
     config = "fsdp.yaml"
     steps = 4
@@ -621,17 +663,18 @@ def test_fsdp2_config_really_shards_vit(lora, same_head_vit, tmp_path):
             "--mixed_precision",
             "no",
             "--fsdp_activation_checkpointing",
-            "true",
+            str(checkpointing).lower(),
             script="tests/fsdp2_cpu_worker.py",
         )
         + [str(same_head_vit), str(tmp_path), str(steps)]
         + (["lora"] if lora else []),
     )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    expected = single_process_losses(same_head_vit, steps, lora)
+    expected, reference = single_process_run(same_head_vit, steps, lora)
     for report in reports:
         assert report["world_size"] == 2 and report["wrap_classes"] == ["ViTLayer"]
-        assert report["activation_checkpointing"] and report["checkpointed_layers"] == 2
+        assert report["activation_checkpointing"] == checkpointing
+        assert report["checkpointed_layers"] == (2 if checkpointing else 0)
         units = report["fsdp_units"]
         assert units.count("ViTLayer") == 2 and units.count("ViTPatchEmbeddings") == 1, units
         assert (
@@ -643,6 +686,10 @@ def test_fsdp2_config_really_shards_vit(lora, same_head_vit, tmp_path):
             assert report["trainable_params"] == 2 * 2 * 2 + 2, report
         assert abs(report["local_numel"] / report["full_numel"] - 0.5) < 0.05, report
         np.testing.assert_allclose(report["losses"], expected, rtol=REL_TOL)
+        if lora:
+            assert report["saved"] == ["adapter", "merged"]
+    if lora:
+        check_saved_lora(tmp_path, same_head_vit, reference)
 
 
 def test_fsdp_wrap_list_holding_the_embedding_is_refused(monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from conftest import FAST_ARGS, ROOT, model_args, tiny_vit_config
+from safetensors.torch import load_file
 
 from vit_recipes.arguments import parse_args
 from vit_recipes.errors import RecipeError
@@ -24,10 +25,13 @@ from vit_recipes.lora import (
     base_signature,
     build_finetune_model,
     check_lora_strategy,
+    check_saved_adapter,
     head_module_names,
     load_model,
     resolve_target_modules,
     training_flops,
+    unwrap,
+    without_activation_wrappers,
     write_base_record,
 )
 
@@ -226,6 +230,54 @@ def test_adapter_loads_onto_its_base_and_not_onto_another(saved_adapter, tmp_pat
     (adapter / "adapter_base.json").unlink()  # without the record, peft's size check still refuses it
     with pytest.raises(RecipeError, match="cannot load the adapter .* onto .*wider .*not the base it was trained on"):
         attach_adapter(wrong, adapter, base_source=str(wider))
+
+
+def checkpoint_wrapped(model):
+    """What accelerate's fsdp2_apply_ac (FSDP's activation checkpointing, --gradient_checkpointing under FSDP) does to
+    the layers, without FSDP: each one in torch's checkpoint_wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = unwrap(model).vit.layers
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    return layers
+
+
+def test_adapter_saved_through_activation_checkpoint_wrappers_keeps_its_lora_weights(saved_adapter, tmp_path):
+    """The FSDP2 + --gradient_checkpointing failure on GPUs, in one process: the Trainer saves with the state dict,
+    whose names the checkpoint wrappers leave clean, while peft >= 0.21 picks the adapter's entries by its LoRA layers'
+    module names, which carry `_checkpoint_wrapped_module.`: without the fix the adapter held the head alone."""
+    base_dir, adapter, trained = saved_adapter
+    expected = set(load_file(adapter / "adapter_model.safetensors"))
+    assert sum("lora_" in k for k in expected) == 2 * 2 * 2  # q/v A/B in 2 layers; + the head
+    layers = checkpoint_wrapped(trained)
+    assert any("_checkpoint_wrapped_module" in name for name, _ in trained.named_modules())
+    broken = tmp_path / "broken"
+    trained.save_pretrained(broken, state_dict=trained.state_dict())  # as Trainer._save does under FSDP
+    assert not any("lora_" in k for k in load_file(broken / "adapter_model.safetensors"))  # peft's behaviour
+    out = tmp_path / "wrapped"
+    with without_activation_wrappers(trained):  # what ImageClassificationTrainer._save does
+        trained.save_pretrained(out, state_dict=trained.state_dict())
+    saved = load_file(out / "adapter_model.safetensors")
+    assert set(saved) == expected
+    for key, value in load_file(adapter / "adapter_model.safetensors").items():
+        torch.testing.assert_close(saved[key], value)
+    assert all(type(layer).__name__ == "CheckpointWrapper" for layer in layers), "the wrappers are put back"
+    check_saved_adapter(out, trained)
+    trained.config.save_pretrained(out)
+    x = torch.randn(2, 3, 16, 16)
+    trained.eval()
+    torch.testing.assert_close(load_model(out, str(base_dir))(pixel_values=x).logits, trained(pixel_values=x).logits)
+
+
+def test_adapter_saved_without_its_lora_weights_is_refused_when_saved(saved_adapter, tmp_path):
+    base_dir, adapter, trained = saved_adapter
+    out = tmp_path / "head-only"
+    head_only = {k: v for k, v in trained.state_dict().items() if "lora_" not in k}
+    type(trained).save_pretrained(trained, out, state_dict=head_only)  # what peft saved under the wrappers
+    with pytest.raises(RecipeError, match=r"holds 0 of the model's 8 LoRA weights \(2 tensors: .*classifier"):
+        check_saved_adapter(out, trained)
+    check_saved_adapter(adapter, trained)
 
 
 def test_card_fields_name_peft_and_the_base_for_adapters():

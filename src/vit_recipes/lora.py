@@ -9,7 +9,9 @@ What the script calls, in order:
 - `check_lora_strategy`: once the Trainer exists, refuses (one line, before training) a distributed set-up under which the
   adapter could not be trained or saved.
 - `save_final_model`: the adapter alone (default), or with `--merge_adapter` a merged plain model; either reloads for
-  evaluation with `load_model`.
+  evaluation with `load_model`. The adapter is checked to hold every LoRA weight when it is saved; under FSDP's
+  activation checkpointing peft would save the head alone (ImageClassificationTrainer._save saves through
+  `without_activation_wrappers`).
 
 Bad input fails in one line each: rank <= 0, target modules that match nothing (the message lists the layers there
 are), a model without attention projections, an adapter put on another base.
@@ -494,6 +496,74 @@ def load_model(path: str | os.PathLike, base_model_name_or_path: str | None = No
     return attach_adapter(model, path, base_source=base).eval()
 
 
+# ------------------------------------------------------------------------------------------------ saving
+
+
+@contextlib.contextmanager
+def without_activation_wrappers(model: nn.Module):
+    """Take torch's activation-checkpoint wrappers out of the module tree for the duration (put back after).
+
+    FSDP's activation checkpointing (accelerate's fsdp2_apply_ac, i.e. --gradient_checkpointing under FSDP) wraps
+    each layer in torch's CheckpointWrapper, whose child `_checkpoint_wrapped_module` shows in module names
+    (`vit.layers.0._checkpoint_wrapped_module.attention.q_proj`) but not in parameter or state-dict names: the
+    wrapper strips it there. peft 0.21.2 picks the adapter's entries out of the state dict by the module names of
+    its LoRA layers (`_get_tuner_state_dict_key_prefixes`, which strips only FSDP1's leading `_fsdp_wrapped_module.`),
+    so under the wrapper no LoRA weight matches and the saved adapter holds the head alone. With the wrappers out,
+    module names are state-dict names again. Nothing runs the model meanwhile: only the module tree changes, the
+    parameters (FSDP2 shards included) and hooks stay as they are.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    swapped = []
+    for parent in list(model.modules()):
+        if isinstance(parent, ActivationWrapper):
+            continue
+        for name, child in list(parent.named_children()):
+            inner = child
+            while isinstance(inner, ActivationWrapper):  # offload_wrapper(checkpoint_wrapper(layer)) nests two
+                inner = inner._checkpoint_wrapped_module
+            if inner is not child:
+                swapped.append((parent, name, child))
+                setattr(parent, name, inner)
+    try:
+        yield model
+    finally:
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
+
+
+def _saved_tensor_names(output_dir: Path) -> list[str] | None:
+    for name in ADAPTER_WEIGHTS:
+        path = output_dir / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as f:
+                    return list(f.keys())
+            return list(torch.load(path, map_location="cpu", weights_only=True))
+    return None
+
+
+def check_saved_adapter(output_dir: str | os.PathLike, model: nn.Module) -> None:
+    """RecipeError unless the adapter saved in output_dir holds as many LoRA weights as `model` has.
+
+    Catches an adapter saved without its LoRA weights (the head alone) when it is written, not when it is loaded.
+    """
+    output_dir = Path(output_dir)
+    saved = _saved_tensor_names(output_dir)
+    if saved is None:
+        raise RecipeError(f"no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}) were saved in {output_dir}")
+    expected = sum(".lora_" in name for name, _ in model.named_parameters())
+    found = sum(".lora_" in name for name in saved)
+    if found != expected:
+        raise RecipeError(
+            f"the adapter saved in {output_dir} holds {found} of the model's {expected} LoRA weights "
+            f"({len(saved)} tensors: {', '.join(sorted(saved)[:4])}{', ...' if len(saved) > 4 else ''}): "
+            "the saved state dict and peft's adapter names disagree"
+        )
+
+
 # ------------------------------------------------------------------------------------------------ training
 
 
@@ -585,6 +655,7 @@ def save_final_model(trainer, setup: FinetuneSetup) -> None:
     if setup.method != "lora":
         return
     if trainer.is_world_process_zero():
+        check_saved_adapter(trainer.args.output_dir, trainer.model)
         write_base_record(trainer.args.output_dir, setup)
         if setup.merge_adapter:
             merge_adapter_folder(trainer.args.output_dir, setup)

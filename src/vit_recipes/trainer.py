@@ -117,6 +117,14 @@ class ImageClassificationTrainer(Trainer):
         else:
             super().create_model_card(*args, **kwargs)
 
+    def _save(self, output_dir=None, state_dict=None):
+        # Final model and checkpoints. Under FSDP's activation checkpointing peft would find no LoRA weight in the
+        # state dict and save the head alone: it matches by module names, which the wrappers change (lora.py).
+        from .lora import without_activation_wrappers
+
+        with without_activation_wrappers(self.model):
+            super()._save(output_dir, state_dict)
+
     def save_model(self, output_dir=None, _internal_call=False):
         # keep_saved_model: output_dir holds a final model that is not self.model (a merged LoRA model, lora.py);
         # push_to_hub's own save (internal, to output_dir) must not write the adapter over it.
