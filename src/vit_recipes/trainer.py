@@ -11,6 +11,8 @@ from torch.profiler import record_function
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.utils import SAFE_WEIGHTS_NAME
 
+from .lora import without_activation_wrappers
+
 
 class ImageClassificationTrainer(Trainer):
     """`Trainer` plus three things:
@@ -120,8 +122,6 @@ class ImageClassificationTrainer(Trainer):
     def _save(self, output_dir=None, state_dict=None):
         # Final model and checkpoints. Under FSDP's activation checkpointing peft would find no LoRA weight in the
         # state dict and save the head alone: it matches by module names, which the wrappers change (lora.py).
-        from .lora import without_activation_wrappers
-
         with without_activation_wrappers(self.model):
             super()._save(output_dir, state_dict)
 
