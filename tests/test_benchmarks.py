@@ -156,8 +156,11 @@ def test_suites_expand():
 
     defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "zero3_tuning.yaml"))
     runs = [bench_run.normalise(r, defaults) for r in runs]
-    assert len({r["name"] for r in runs}) == len(runs) and all(r["strategy"] == "zero3" for r in runs)
-    assert all(bench_run.deepspeed_config(r) for r in runs if r.get("ds_overrides"))
+    assert len({r["name"] for r in runs}) == len(runs)
+    assert {r["strategy"] for r in runs} == {"zero3", "zeropp", "fsdp2_offload"}
+    leaf = bench_run.deepspeed_config(next(r for r in runs if r["name"] == "vit-base-zero3-g4-leaf"))
+    assert leaf["zero_optimization"]["leaf_module"] == {"classes": ["ViTLayer"]}
+    assert leaf["zero_optimization"]["stage"] == 3  # the shipped file underneath
 
 
 def test_error_line_prefers_oom_then_the_error():
