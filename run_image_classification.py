@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.set_seed(training_args.seed)
     # Full fine-tuning, LoRA adapters (--use_peft) or the head alone (--freeze_backbone); prints the trainable share.
     model, image_size, finetune = build_finetune_model(args.model, args.lora, training_args, splits.label_names)
-    distributed.check_fsdp_wrap(training_args, model)  # FSDP2 must not wrap the embedding's parent
+    distributed.check_model(training_args, model)  # FSDP2's wrap list, ZeRO++'s quantized weights vs the head
     mean, std = mean_std(args.model)
     timeline.mark("model")
 

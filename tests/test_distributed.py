@@ -312,7 +312,7 @@ LAUNCHED = [
             "--gradient_checkpointing",
             "true",
         ),
-        {"wrapper": DS_ENGINE, "zero_stage": 3, "gradient_checkpointing": True},
+        {"wrapper": DS_ENGINE, "zero_stage": 3, "gradient_checkpointing": True, "zero3_leaf_modules": ["ViTLayer"]},
         params_sharded=True,
         optimizer_sharded=True,
     ),
@@ -339,6 +339,7 @@ LAUNCHED = [
         {
             "wrapper": DS_ENGINE,
             "zero_stage": 3,
+            "zero3_leaf_modules": ["ViTLayer"],  # one parameter gather per layer (ds_configs/zero3*.json)
             "offload_optimizer": True,
             "offload_param": True,
             "optimizer_state_device": "cpu",
@@ -711,6 +712,37 @@ def test_fsdp_wrap_list_holding_the_embedding_is_refused(monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP")
     check_fsdp_wrap(None, model)  # not FSDP: nothing to check
+
+
+def test_zeropp_quantized_weights_refuse_a_head_that_does_not_split_into_groups_of_8(monkeypatch, tmp_path):
+    """Seen on 4 H200s: ZeRO++ stopped at its first forward on the 100-label head (768 x 100 + 100 = 76,900
+    values, 19,225 per GPU). Refused before training with the fix; the shipped ZeRO-3 (no qwZ) is not affected."""
+    from types import SimpleNamespace
+
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from vit_recipes.strategy import check_model
+
+    def vit(labels: int):
+        config = ViTConfig(hidden_size=768, num_hidden_layers=1, num_attention_heads=12, intermediate_size=64)
+        return ViTForImageClassification(config.__class__(**{**config.to_dict(), "num_labels": labels}))
+
+    def args(config: str, world: int):
+        return SimpleNamespace(deepspeed=str(ROOT / "ds_configs" / config), world_size=world)
+
+    with pytest.raises(
+        RecipeError,
+        match=r"zeropp.json: .* classifier's 76,900 parameters split into 19,225 per "
+        r"process over 4: set zero_quantized_weights to false",
+    ):
+        check_model(args("zeropp.json", 4), vit(100))
+    check_model(args("zeropp.json", 4), vit(128))  # 769 x 128 / 4 = 24,608 = 8 x 3,076
+    check_model(args("zeropp.json", 8), vit(64))
+    check_model(args("zero3.json", 4), vit(100))  # no quantized weights
+    off = json.loads((ROOT / "ds_configs/zeropp.json").read_text())
+    off["zero_optimization"]["zero_quantized_weights"] = False
+    (tmp_path / "zeropp_no_qwz.json").write_text(json.dumps(off))
+    check_model(SimpleNamespace(deepspeed=str(tmp_path / "zeropp_no_qwz.json"), world_size=4), vit(100))
 
 
 def test_deepspeed_with_accelerates_cpu_mode_or_mixed_precision_flag_is_refused(monkeypatch):

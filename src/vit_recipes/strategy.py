@@ -6,8 +6,9 @@ Four checks, each failing with one `RecipeError` line:
   process group, so more processes than GPUs must be caught before that;
 - `check_strategy(args)`, right after parsing: the DeepSpeed file against the arguments, precision against the
   device, DeepSpeed and FSDP together, FSDP on CPU, offload against the host's free memory;
-- `check_fsdp_wrap(training_args, model)`, once the model is built: FSDP2's wrap list must not hold the
-  input embedding (accelerate shards that on its own; torch fails obscurely otherwise);
+- `check_model(training_args, model)`, once the model is built: FSDP2's wrap list must not hold the
+  input embedding (accelerate shards that on its own; torch fails obscurely otherwise), and ZeRO++'s quantized
+  weights need shards DeepSpeed can quantize (the classifier's size depends on the label count);
 - `check_resume(training_args, checkpoint)`, once the checkpoint to resume is known: a DeepSpeed checkpoint
   resumes only with the data-parallel world size that wrote it.
 
@@ -362,6 +363,45 @@ def check_fsdp_wrap(training_args, model) -> None:
         )
 
 
+def check_quantized_weights(training_args, model) -> None:
+    """ZeRO++ quantized weights (qwZ): refuse a model whose parameter shards DeepSpeed cannot quantize.
+
+    qwZ quantizes, per gathered module, the concatenation of its parameters' shards in groups of 8 values and
+    asserts at the first forward that the count divides by 8 (seen on 4 H200s: the 100-label head's
+    768 x 100 + 100 values split into 19,225 per GPU). The backbone's sizes are multiples of 64; the head's
+    depend on the label count, so this is the check a user's dataset can trip. A ZeRO-3 leaf module is gathered
+    as one unit with its children.
+    """
+    strategy = requested_strategy(training_args)
+    if not _is_true(_node(strategy.deepspeed or {}, "zero_optimization.zero_quantized_weights")):
+        return
+    world = max(1, int(getattr(training_args, "world_size", 1) or 1))
+    leaf_classes = set(_node(strategy.deepspeed, "zero_optimization.leaf_module.classes") or [])
+    inside_leaf: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside_leaf:
+            continue
+        leaf = type(module).__name__ in leaf_classes
+        if leaf:
+            inside_leaf.update(id(m) for m in module.modules())
+        params = list(module.parameters(recurse=leaf))
+        shard = sum(-(-getattr(q, "ds_numel", q.numel()) // world) for q in params)
+        if shard % 8:
+            full = sum(getattr(q, "ds_numel", q.numel()) for q in params)
+            raise RecipeError(
+                f"{strategy.deepspeed_source}: ZeRO++ quantized weights need each gathered shard to hold a multiple "
+                f"of 8 values, but {name or type(model).__name__}'s {full:,} parameters split into {shard:,} per "
+                f"process over {world}: set zero_quantized_weights to false (hierarchical partitioning and "
+                "quantized gradients still apply), or use a label count that divides evenly"
+            )
+
+
+def check_model(training_args, model) -> None:
+    """The checks that need the built model: FSDP2's wrap list, ZeRO++'s quantized weights."""
+    check_fsdp_wrap(training_args, model)
+    check_quantized_weights(training_args, model)
+
+
 def use_fsdp_activation_checkpointing(t, strategy: Strategy) -> None:
     """--gradient_checkpointing under FSDP: let FSDP checkpoint each wrapped layer instead of the model doing it.
 
@@ -570,6 +610,9 @@ def rank_report(trainer) -> dict[str, Any]:
         report["offload_optimizer"] = bool(wrapped.zero_offload_optimizer())
         report["offload_param"] = bool(wrapped.zero_offload_param())
         report["gradients_partitioned"] = bool(wrapped.zero_optimization_partition_gradients())
+        from deepspeed.utils import get_z3_leaf_modules
+
+        report["zero3_leaf_modules"] = sorted({type(m).__name__ for m in get_z3_leaf_modules(wrapped.module)})
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
     if plugin is not None:
         report["fsdp_plugin"] = {
