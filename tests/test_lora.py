@@ -34,6 +34,7 @@ from vit_recipes.lora import (
     without_activation_wrappers,
     write_base_record,
 )
+from vit_recipes.strategy import RANK_REPORT_DIR, RANK_REPORT_ENV
 
 
 def tiny_model(seed=0, hidden=32, labels=5):
@@ -618,10 +619,13 @@ def test_lora_under_zero3_bf16_on_two_processes_saves_a_merged_model(transfer_re
               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "bf16",
               "--main_process_port", str(port), "run_image_classification.py"]  # fmt: skip
     argv = lora_args(work / "digits", work / "pretrained", out, "--merge_adapter", "true", "--bf16", "true")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", RANK_REPORT_ENV: "1"}
     result = subprocess.run([*launch, *map(str, argv)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "LoRA: trainable params" in result.stdout
+    for rank in (0, 1):  # zero3.json's ViTLayer leaf modules are dropped for adapters (lora.check_lora_strategy)
+        report = json.loads((out / RANK_REPORT_DIR / f"rank{rank}.json").read_text())
+        assert report["zero_stage"] == 3 and report["zero3_leaf_modules"] == [], report
     saved = {p.name for p in out.iterdir()}
     assert "model.safetensors" in saved and not any(name.startswith("adapter_") for name in saved)
     trained = json.loads((out / "all_results.json").read_text())

@@ -581,7 +581,14 @@ def training_flops(config, gradient_checkpointing: bool, setup: FinetuneSetup) -
 
 
 def check_lora_strategy(trainer, setup: FinetuneSetup) -> None:
-    """Refuse, before training, a distributed set-up that could not train or save the adapter / frozen backbone."""
+    """Refuse, before training, a distributed set-up that could not train or save the adapter / frozen backbone.
+
+    Also drops ZeRO-3 leaf modules (ds_configs/zero3*.json gather each ViTLayer as one unit): with LoRA,
+    DeepSpeed 0.19.8 released a leaf layer's parameters before the adapters' gradients were accumulated
+    ("The size of tensor a (0) must match the size of tensor b (16)" in AccumulateGrad, CPU, 2 processes), so
+    adapter runs keep DeepSpeed's default per-submodule fetching. The DeepSpeed engine is built at the first
+    `train()`, after this.
+    """
     if setup.method == "full":
         return
     what = "LoRA" if setup.method == "lora" else "--freeze_backbone"
@@ -607,6 +614,8 @@ def check_lora_strategy(trainer, setup: FinetuneSetup) -> None:
                 "LoRA under ZeRO-3 saves the adapter from gathered weights: set "
                 "zero_optimization.stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config"
             )
+        if zero.pop("leaf_module", None):
+            logger.info("LoRA under ZeRO-3: leaf_module dropped, parameters are fetched per submodule")
 
 
 @contextlib.contextmanager
