@@ -405,9 +405,11 @@ def child_env(run: dict, names: list[str], cache_dir: str | None) -> dict[str, s
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
-    if names and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        # A lone python process would otherwise wrap the model in DataParallel over every visible GPU.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(run["gpus"]))
+    if names:
+        # The run's GPUs: the first `gpus` of those visible (a lane of a shared machine sets CUDA_VISIBLE_DEVICES).
+        # A lone python process sees exactly one (the script refuses DataParallel over several).
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join((visible or [str(i) for i in range(len(names))])[: run["gpus"]])
     if cache_dir:
         env["HF_DATASETS_CACHE"] = cache_dir
     return env
