@@ -367,6 +367,38 @@ def test_torch_compile_lever_trains_through_our_trainer(cifar_like, tiny_vit, tm
     assert results["train_images_per_second"] > 0 and results["train_loss"] > 0
 
 
+def test_regional_compile_compiles_each_layer_and_saves_a_plain_model(
+    cifar_like, tiny_vit, tmp_path, run_script, monkeypatch
+):
+    """--torch_compile_regions: accelerate compiles each ViTLayer (one compiled graph reused for all of them) rather
+    than the whole model, the run trains through our Trainer and the saved model has no compile wrappers."""
+    from safetensors.torch import load_file
+    from torch._dynamo.eval_frame import OptimizedModule
+    from transformers import Trainer, ViTForImageClassification
+
+    from vit_recipes.arguments import parse_args
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")  # restored after the test
+    common = ("--dataset_name", "cifar100", "--output_dir", tmp_path / "unused", "--use_cpu", "true")
+    training = parse_args([*map(str, common), "--report_to", "none", "--eval_strategy", "no", "--torch_compile_regions", "true",
+                           "--torch_compile_backend", "aot_eager"]).training  # fmt: skip
+    assert training.torch_compile and training.dataloader_drop_last
+    model = ViTForImageClassification.from_pretrained(tiny_vit)
+    prepared = Trainer(model=model, args=training).accelerator.prepare_model(model)
+    assert not isinstance(prepared, OptimizedModule)
+    compiled = [type(m._orig_mod).__name__ for m in prepared.modules() if isinstance(m, OptimizedModule)]
+    assert compiled.count("ViTLayer") == model.config.num_hidden_layers, compiled
+
+    out = tmp_path / "out"
+    results = run_script(
+        "--dataset_name", cifar_like, "--model_name_or_path", tiny_vit, "--output_dir", out, "--do_train", "true",
+        "--do_eval", "false", "--max_steps", "7", "--per_device_train_batch_size", "8", "--torch_compile_regions",
+        "true", "--torch_compile_backend", "aot_eager", "--plots", "false", *FAST_ARGS,
+    )  # fmt: skip
+    assert results["train_images_per_second"] > 0 and results["train_loss"] > 0
+    assert not [key for key in load_file(out / "model.safetensors") if "_orig_mod" in key]
+
+
 def test_torch_compile_drops_the_short_last_batch():
     """A short last batch would recompile the model every epoch (seen on an H100: ~45 s each time)."""
     from vit_recipes.arguments import parse_args

@@ -162,6 +162,14 @@ class RecipeTrainingArguments(TrainingArguments):
         default_factory=lambda: {"use_reentrant": False},
         metadata={"help": "Non-reentrant by default: works with frozen inputs (LoRA) and every strategy."},
     )
+    torch_compile_regions: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile each transformer layer (compiled once, reused for every layer: accelerate's "
+            "regional compilation, also under DeepSpeed and FSDP2) and the rest of the model apart, instead of the "
+            "whole model at once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply."
+        },
+    )
     report_to: None | str | list[str] = field(
         default=DEFAULT_REPORT_TO,
         metadata={
@@ -175,6 +183,10 @@ class RecipeTrainingArguments(TrainingArguments):
             self.dataloader_persistent_workers = False
             self.dataloader_prefetch_factor = None
         self.report_to = resolve_report_to(self.report_to)  # drops tensorboard, with one warning, if not installed
+        if self.torch_compile_regions:
+            # The Trainer builds accelerate's TorchDynamoPlugin without this option; the plugin reads it from here.
+            os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true"
+            self.torch_compile = True
         if self.torch_compile and not self.dataloader_drop_last:
             # An epoch's short last batch is a new shape: torch.compile recompiles for it (seen: ~45 s on an H100,
             # every epoch, for 2,000 img/s steps). Dropping it costs under one batch of images per epoch.
