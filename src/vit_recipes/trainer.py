@@ -29,6 +29,10 @@ class ImageClassificationTrainer(Trainer):
         self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
         self.mixup = mixup
         self.card_writer = card_writer
+        # Which transform a batch gets: set by training_step / prediction_step, not read off self.model.training,
+        # because accelerate's regional compilation trains a copy of the top module and self.model stays in eval
+        # mode (seen: --torch_compile_regions trained on un-augmented images).
+        self._training_batch = False
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
         # Profiler regions (profiling.py): data, augment, forward, backward here; optimizer_step in ProfilerCallback.
@@ -71,11 +75,19 @@ class ImageClassificationTrainer(Trainer):
                 logs.update(callback.extend_logs(logs, self.args, self.state))
         super().log(logs, start_time)
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._training_batch = True
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self._training_batch = False
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
     def _prepare_inputs(self, inputs):
         inputs = super()._prepare_inputs(inputs)
         pixels = inputs.get("pixel_values")
         if pixels is not None and pixels.dtype == torch.uint8:
-            transform = self.train_transform if self.model.training else self.eval_transform
+            transform = self.train_transform if self._training_batch else self.eval_transform
             with record_function("augment"):
                 pixels = transform(pixels)
             if self.is_deepspeed_enabled:  # DeepSpeed holds bf16/fp16 weights and does not autocast inputs
