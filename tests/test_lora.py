@@ -534,6 +534,23 @@ def test_lora_trains_with_reentrant_checkpointing_and_bf16(digits_dir, tiny_vit,
     assert len(lora_b) == 4 and all(v.abs().sum() > 0 for v in lora_b), "every adapter learned (B starts at zero)"
 
 
+def test_lora_trains_and_saves_its_adapter_under_regional_compilation(digits_dir, tiny_vit, tmp_path, run_script):
+    """--torch_compile_regions with peft: the compiled layers hold LoRA modules, and the adapter saved afterwards
+    has every LoRA weight under peft's names (no compile wrapper in them). aot_eager keeps it fast on the CPU."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "regions"
+    results = run_script(
+        *lora_args(digits_dir, tiny_vit, out, "--max_steps", "4", "--do_eval", "false"),
+        "--torch_compile_regions", "true", "--torch_compile_backend", "aot_eager",
+    )  # fmt: skip
+    assert np.isfinite(results["train_loss"])
+    weights = load_file(out / "adapter_model.safetensors")
+    lora_b = [v for k, v in weights.items() if "lora_B" in k]
+    assert not [k for k in weights if "_orig_mod" in k]
+    assert len(lora_b) == 4 and all(v.abs().sum() > 0 for v in lora_b), "every adapter learned (B starts at zero)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra, message",
