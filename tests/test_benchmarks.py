@@ -163,6 +163,17 @@ def test_suites_expand():
     assert leaf["zero_optimization"]["stage"] == 3  # the shipped file underneath
 
 
+@pytest.mark.parametrize("suite", sorted(p.name for p in (BENCH / "suites").glob("*.yaml")))
+def test_every_suite_plans(suite):
+    """Each shipped suite expands into valid, uniquely named runs (a typo would otherwise surface on the GPU)."""
+    defaults, runs, budget = bench_run.load_suite(str(BENCH / "suites" / suite))
+    runs = [bench_run.normalise(r, defaults) for r in runs]
+    assert runs and len({r["name"] for r in runs}) == len(runs)
+    assert all(r["strategy"] in bench_run.STRATEGIES for r in runs)
+    assert all(bench_run.deepspeed_config(r) for r in runs if r.get("ds_overrides"))
+    assert budget is None or float(budget) > 0
+
+
 def test_error_line_prefers_oom_then_the_error():
     log = "\n".join(
         [
