@@ -150,11 +150,14 @@ def run_extra_launch(run: Run, processes: int) -> list[str]:
     # hpZ's secondary partition spans the GPUs of one node: this machine's count, not the shipped 8. Quantized
     # weights off: the 100-label head's shards are not multiples of 8, which the script refuses for qwZ
     # (strategy.check_quantized_weights; DeepSpeed itself would assert at the first forward).
-    config = json.loads((ROOT / "ds_configs/zeropp.json").read_text())
-    config["zero_optimization"]["zero_hpz_partition_size"] = processes
-    config["zero_optimization"]["zero_quantized_weights"] = False
+    from run import deepspeed_config  # benchmarks/run.py: the shipped JSON with dotted overrides
+
+    overrides = {
+        "zero_optimization.zero_hpz_partition_size": processes,
+        "zero_optimization.zero_quantized_weights": False,
+    }
     path = Path("/tmp/zeropp_this_node.json")
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(deepspeed_config({"strategy": "zeropp", "ds_overrides": overrides})))
     return ["--deepspeed_config_file", str(path)]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -439,3 +440,16 @@ def test_a_run_gets_the_first_of_the_visible_gpus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert bench_run.child_env(run, ["H200"] * 4, None)["CUDA_VISIBLE_DEVICES"] == "0"
     assert "CUDA_VISIBLE_DEVICES" not in bench_run.child_env(run, [], None)  # no GPU: nothing to pick
+
+
+def test_gpu_strategies_zeropp_config_fits_the_node(monkeypatch):
+    """The GPU check's ZeRO++ run: hpZ over this node's GPUs and quantized weights off (the 100-label head does not
+    split into groups of 8), on top of the shipped zeropp.json (leaf modules included)."""
+    monkeypatch.syspath_prepend(str(BENCH))  # as when run as a script: it imports benchmarks/run.py as `run`
+    strategies = importlib.import_module("gpu_strategies")
+    zeropp = next(r for r in strategies.plan(2) if r.name == "zeropp")
+    flags = strategies.run_extra_launch(zeropp, 2)
+    with open(flags[flags.index("--deepspeed_config_file") + 1]) as f:
+        zero = json.load(f)["zero_optimization"]
+    assert zero["zero_hpz_partition_size"] == 2 and zero["zero_quantized_weights"] is False
+    assert zero["zero_quantized_gradients"] is True and zero["leaf_module"] == {"classes": ["ViTLayer"]}
