@@ -155,6 +155,14 @@ def run_args(data, model, out, *extra) -> tuple:
     )
 
 
+def logged_losses(out: Path) -> list[float]:
+    """The per-step training losses a run logged (trainer_state.json's log_history)."""
+    import json
+
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
 def model_args(**kw):
     """ModelArguments-like namespace for calling the package's model builders directly."""
     from types import SimpleNamespace

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST_ARGS, ROOT
+from conftest import ROOT, logged_losses, run_args
 
 BENCH = ROOT / "benchmarks"
 FIXTURES = ROOT / "tests" / "data" / "benchmarks" / "fixture_records.json"
@@ -372,9 +372,8 @@ def test_torch_compile_lever_trains_through_our_trainer(cifar_like, tiny_vit, tm
     """--torch_compile (a TrainingArguments flag) works with the device transforms and our loss; aot_eager keeps
     the test fast on CPU (inductor would compile C++ for minutes)."""
     results = run_script(
-        "--dataset_name", cifar_like, "--model_name_or_path", tiny_vit, "--output_dir", tmp_path / "out",
-        "--do_train", "true", "--do_eval", "false", "--max_steps", "7", "--per_device_train_batch_size", "8",
-        "--torch_compile", "true", "--torch_compile_backend", "aot_eager", "--plots", "false", *FAST_ARGS,
+        *run_args(cifar_like, tiny_vit, tmp_path / "out", "--do_eval", "false", "--max_steps", "7", "--plots", "false"),
+        "--torch_compile", "true", "--torch_compile_backend", "aot_eager",
     )  # fmt: skip
     assert results["train_images_per_second"] > 0 and results["train_loss"] > 0
 
@@ -403,14 +402,9 @@ def test_regional_compile_compiles_each_layer_and_saves_a_plain_model(
 
     def train(out, *extra):
         return run_script(
-            "--dataset_name", cifar_like, "--model_name_or_path", tiny_vit, "--output_dir", out, "--do_train", "true",
-            "--do_eval", "false", "--max_steps", "7", "--per_device_train_batch_size", "8", "--plots", "false",
-            "--dataloader_drop_last", "true", *FAST_ARGS, "--logging_steps", "1", *extra,
+            *run_args(cifar_like, tiny_vit, out, "--do_eval", "false", "--max_steps", "7", "--plots", "false"),
+            "--dataloader_drop_last", "true", "--logging_steps", "1", *extra,
         )  # fmt: skip
-
-    def losses(out):
-        history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-        return [entry["loss"] for entry in history if "loss" in entry]
 
     results = train(tmp_path / "regions", "--torch_compile_regions", "true", "--torch_compile_backend", "aot_eager")
     assert results["train_images_per_second"] > 0 and results["train_loss"] > 0
@@ -418,7 +412,7 @@ def test_regional_compile_compiles_each_layer_and_saves_a_plain_model(
     # Same random augmentation as eager (aot_eager computes what eager does): regional compilation trains a copy of
     # the top module, and reading self.model.training once sent its batches through the evaluation transform.
     train(tmp_path / "eager")
-    assert losses(tmp_path / "regions") == pytest.approx(losses(tmp_path / "eager"), rel=1e-6)
+    assert logged_losses(tmp_path / "regions") == pytest.approx(logged_losses(tmp_path / "eager"), rel=1e-6)
 
 
 def test_torch_compile_drops_the_short_last_batch():

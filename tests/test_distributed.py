@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, pattern_images, save_tiny_vit, write_parquet_splits
+from conftest import logged_losses as losses
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
@@ -176,11 +177,6 @@ def deepspeed(processes: int = 2) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- checks
-
-
-def losses(out: Path) -> list[float]:
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    return [entry["loss"] for entry in history if "loss" in entry]
 
 
 def reports(out: Path, world: int = 2) -> list[dict]:
