@@ -146,9 +146,6 @@ class StepMetricsCallback(StepIntervals):
         self.flops_per_image = flops_per_image
         self.peak_flops = peak_flops  # of all GPUs together
 
-    def _reset(self):
-        self.steps, self.seconds, self.data_seconds = 0, 0.0, 0.0
-
     def on_train_begin(self, args, state, control, **kwargs):
         self._last, self._pending_data = time.perf_counter(), 0.0
 
@@ -185,7 +182,7 @@ class StepMetricsCallback(StepIntervals):
         if "loss" not in logs or "learning_rate" not in logs:  # only training-step logs
             return {}
         out = self.speed()
-        self._reset()
+        self.reset_totals()  # the next log covers the steps after this one
         out.update(self.memory(args.device))
         return out
 

@@ -317,9 +317,10 @@ def check_strategy(args) -> Strategy:
         raise RecipeError(
             "fp16 needs a GPU and this run is on the CPU: drop --fp16 (CPU runs in fp32, or bf16 with --bf16 true)"
         )
-    if not cpu and world == 1 and strategy.deepspeed is None and not strategy.fsdp and _visible_gpus() > 1:
+    gpus = 0 if cpu else _visible_gpus()
+    if world == 1 and strategy.deepspeed is None and not strategy.fsdp and gpus > 1:
         raise RecipeError(
-            f"{_visible_gpus()} GPUs are visible to one process: the Trainer would split each batch over them with "
+            f"{gpus} GPUs are visible to one process: the Trainer would split each batch over them with "
             "torch.nn.DataParallel (seen 6x slower than one GPU on H200s); launch one process per GPU with "
             "`accelerate launch --multi_gpu` (or a config from accelerate_configs/), or pick one GPU with "
             "CUDA_VISIBLE_DEVICES=0"

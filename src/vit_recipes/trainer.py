@@ -163,9 +163,12 @@ class StepIntervals(TrainerCallback):
     """
 
     def __init__(self):
-        self.steps, self.seconds, self.data_seconds = 0, 0.0, 0.0
+        self.reset_totals()
         self._pending_data = 0.0
         self._last = None
+
+    def reset_totals(self) -> None:
+        self.steps, self.seconds, self.data_seconds = 0, 0.0, 0.0
 
     def counts(self, state) -> bool:
         return True
