@@ -147,15 +147,10 @@ def command(run: Run, processes: int, port: int) -> list[str]:
 def run_extra_launch(run: Run, processes: int) -> list[str]:
     if run.name != "zeropp":
         return []
-    # hpZ's secondary partition spans the GPUs of one node: this machine's count, not the shipped 8. Quantized
-    # weights off: the 100-label head's shards are not multiples of 8, which the script refuses for qwZ
-    # (strategy.check_quantized_weights; DeepSpeed itself would assert at the first forward).
+    # hpZ's secondary partition spans the GPUs of one node: this machine's count, not the shipped 8.
     from run import deepspeed_config  # benchmarks/run.py: the shipped JSON with dotted overrides
 
-    overrides = {
-        "zero_optimization.zero_hpz_partition_size": processes,
-        "zero_optimization.zero_quantized_weights": False,
-    }
+    overrides = {"zero_optimization.zero_hpz_partition_size": processes}
     path = Path("/tmp/zeropp_this_node.json")
     path.write_text(json.dumps(deepspeed_config({"strategy": "zeropp", "ds_overrides": overrides})))
     return ["--deepspeed_config_file", str(path)]

@@ -437,8 +437,8 @@ def test_a_run_gets_the_first_of_the_visible_gpus(monkeypatch):
 
 
 def test_gpu_strategies_zeropp_config_fits_the_node(monkeypatch):
-    """The GPU check's ZeRO++ run: hpZ over this node's GPUs and quantized weights off (the 100-label head does not
-    split into groups of 8), on top of the shipped zeropp.json (leaf modules included)."""
+    """The GPU check's ZeRO++ run: hpZ over this node's GPUs on top of the shipped zeropp.json (quantized weights
+    off, leaf modules included)."""
     monkeypatch.syspath_prepend(str(BENCH))  # as when run as a script: it imports benchmarks/run.py as `run`
     strategies = importlib.import_module("gpu_strategies")
     zeropp = next(r for r in strategies.plan(2) if r.name == "zeropp")
