@@ -309,10 +309,10 @@ def compare_weights(a: Path, b: Path, atol: float = 2e-2) -> tuple[bool, str]:
 
 
 def reevaluate(runs: list[Run], records: dict, work: Path, assets: Path, log) -> list[dict]:
-    """Each saved model, loaded plainly in this process on one GPU, must score what its run reported."""
-    sys.path.insert(0, str(ROOT))
-    import run_image_classification
-
+    """Each saved model, loaded plainly in a fresh process on one GPU, must score what its run reported."""
+    # One GPU: a lone process that sees several is refused (the Trainer would use DataParallel; strategy.py).
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=(visible or ["0"])[0])
     checks = []
     for run in runs:
         out = work / run.name
@@ -322,12 +322,14 @@ def reevaluate(runs: list[Run], records: dict, work: Path, assets: Path, log) ->
         precision = ["--fp16", "true"] if "--fp16" in run.args else ["--bf16", "true"]
         args = common_args(assets, work / f"{run.name}-reeval", 1, False, run.model)
         args[args.index("--model_name_or_path") + 1] = str(out)
-        try:
-            again = run_image_classification.main(
-                args + ["--do_train", "false", "--overwrite_output_dir", "true"] + precision
-            )
-        except Exception as err:  # noqa: BLE001 - recorded, not fatal
-            checks.append({"run": run.name, "check": "saved model reloads", "ok": False, "detail": repr(err)})
+        cmd = [sys.executable, "run_image_classification.py", *args, "--do_train", "false",
+               "--overwrite_output_dir", "true", *precision]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        again = _json(work / f"{run.name}-reeval" / "all_results.json")
+        if proc.returncode != 0 or not again:
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            checks.append({"run": run.name, "check": "saved model reloads", "ok": False,
+                           "detail": f"exit {proc.returncode}: {' | '.join(tail)}"})  # fmt: skip
             continue
         # Evaluation-only runs score the dataset's test split (the validation split is carved from train)
         split = next((k for k in ("test", "eval") if f"{k}_accuracy" in again and f"{k}_accuracy" in reported), None)

@@ -447,3 +447,28 @@ def test_gpu_strategies_zeropp_config_fits_the_node(monkeypatch):
         zero = json.load(f)["zero_optimization"]
     assert zero["zero_hpz_partition_size"] == 2 and zero["zero_quantized_weights"] is False
     assert zero["zero_quantized_gradients"] is True and zero["leaf_module"] == {"classes": ["ViTLayer"]}
+
+
+def test_gpu_strategies_reevaluates_each_saved_model_on_one_gpu(monkeypatch, tmp_path):
+    """Seen on 2 H200s (commit 3dff8ec): the in-process re-evaluation saw both GPUs and the script refused it
+    (DataParallel). Each saved model is now scored by a fresh process that sees the first visible GPU only."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    strategies = importlib.import_module("gpu_strategies")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # a lane of a shared machine
+    ddp = next(r for r in strategies.plan(2) if r.name == "ddp")
+    scores = json.dumps({"test_accuracy": 0.5, "test_loss": 2.0})
+    (tmp_path / "ddp").mkdir()
+    (tmp_path / "ddp" / "all_results.json").write_text(scores)
+    seen = {}
+
+    def fake_run(cmd, cwd, env, **kwargs):
+        seen.update(cmd=cmd, env=env)
+        (tmp_path / "ddp-reeval").mkdir()
+        (tmp_path / "ddp-reeval" / "all_results.json").write_text(scores)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(strategies.subprocess, "run", fake_run)
+    checks = strategies.reevaluate([ddp], {"ddp": {"status": "ok"}}, tmp_path, tmp_path / "assets", lambda m: None)
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "2"
+    assert seen["cmd"][1] == "run_image_classification.py" and "--do_train" in seen["cmd"]
+    assert [c["ok"] for c in checks] == [True], checks
