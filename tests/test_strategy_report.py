@@ -57,7 +57,10 @@ def test_use_this_when_and_breakdown(report):
     for strategy in ("single x1", "ddp x2", "zero1 x2", "zero2 x2", "zero3 x2", "zero3_offload x2", "fsdp2 x2"):
         assert f"- **{strategy} (" in base, strategy
     assert "- **zero2 x2 (bf16)**: use this when DDP fits only with a small batch" in base
-    assert "Measured: fastest here (2,150 img/s)" in base
+    assert "Measured: fastest here (2,150 img/s at batch 256)" in base
+    # another batch than the fastest's: the line says both
+    assert "Measured: 86% of the fastest's throughput (1,850 img/s at batch 128; the fastest at batch 256)" in base
+    assert "Measured: the reference: 1,100 img/s on 1 GPU at batch 128" in base
     assert "5.5 GiB per GPU at batch 128 (the least)" in base  # ZeRO-3 offload, at the batch all share
     assert "### Step-time breakdown (at batch 128/GPU, ms per step)" in base
     assert "| ddp x2 (bf16) | 128 | 1.2 | 80.5 | 14.2 | 24.8 | 120.8 | trace |" in base

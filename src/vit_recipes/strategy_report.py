@@ -468,12 +468,16 @@ def use_when_lines(variants: list[Variant], runs: list[Run]) -> list[str]:
             facts.append("did not run here (see failures)")
         else:
             ips = v.best.m("train_images_per_second")
+            at = f" at batch {v.best.batch}" if v.best.batch else ""  # each figure says its batch: rows differ
             if v.key[1] != section_gpus:
-                facts.append(f"the reference: {ips:,.0f} img/s on {v.key[1]} GPU")
+                facts.append(f"the reference: {ips:,.0f} img/s on {v.key[1]} GPU{at}")
             elif v is fastest:
-                facts.append(f"fastest here ({ips:,.0f} img/s)")
+                facts.append(f"fastest here ({ips:,.0f} img/s{at})")
             elif fastest is not None:
-                facts.append(f"{ips / fastest.best.m('train_images_per_second'):.0%} of the fastest's throughput")
+                share = f"{ips / fastest.best.m('train_images_per_second'):.0%} of the fastest's throughput"
+                if v.best.batch != fastest.best.batch:
+                    share += f" ({ips:,.0f} img/s{at}; the fastest at batch {fastest.best.batch})"
+                facts.append(share)
             if v.label in memories:
                 where = f" at batch {batch}" if batch else ""
                 facts.append(
