@@ -37,6 +37,7 @@ from vit_recipes.data import (
 )
 from vit_recipes.errors import RecipeError
 from vit_recipes.flops import peak_flops
+from vit_recipes.fp8 import convert_to_fp8
 from vit_recipes.hub import (
     CardInfo,
     check_push_ready,
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Full fine-tuning, LoRA adapters (--use_peft) or the head alone (--freeze_backbone); prints the trainable share.
     model, image_size, finetune = build_finetune_model(args.model, args.lora, training_args, splits.label_names)
     distributed.check_model(training_args, model)  # FSDP2's wrap list, ZeRO++'s quantized weights vs the head
+    convert_to_fp8(model, training_args)  # --fp8: the transformer's linear layers run their matmuls in FP8
     mean, std = mean_std(args.model)
     timeline.mark("model")
 

@@ -170,6 +170,14 @@ class RecipeTrainingArguments(TrainingArguments):
             "whole model at once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply."
         },
     )
+    fp8: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the transformer's linear layers in FP8 (torchao float8, per-tensor scales; needs torchao and "
+            "a GPU with FP8 tensor cores: H100, H200, L40S). Weights, optimizer and saved model stay as they are; "
+            "the head and LoRA adapters stay in bf16. One GPU or DDP. Emulated (no speed-up) on the CPU."
+        },
+    )
     report_to: None | str | list[str] = field(
         default=DEFAULT_REPORT_TO,
         metadata={

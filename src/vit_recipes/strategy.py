@@ -34,6 +34,7 @@ import yaml
 from transformers import TrainerCallback
 
 from .errors import RecipeError
+from .fp8 import check_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +335,7 @@ def check_strategy(args) -> Strategy:
         use_fsdp_activation_checkpointing(t, strategy)
     if any(strategy.offload()):
         check_host_memory(args, strategy, world)
+    check_fp8(t, strategy, cpu)
     return strategy
 
 

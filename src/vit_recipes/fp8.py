@@ -1,0 +1,71 @@
+"""FP8 matmuls for training (`--fp8`): torchao's float8 linear layers in the transformer.
+
+Each converted `nn.Linear` keeps its fp32/bf16 weight (the optimizer and the saved model do not change) and runs
+its three matmuls (forward, input gradient, weight gradient) in FP8 with per-tensor scales, which Hopper-class GPUs
+execute at twice the bf16 rate. Left in higher precision: the classifier head (small, and closest to the loss),
+LoRA's low-rank adapters (rank-16 matmuls gain nothing) and any layer whose sizes are not multiples of 16 (an FP8
+matmul needs them). On a CPU the FP8 arithmetic is emulated: same numerics, no speed-up (what the tests use).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from .errors import RecipeError
+
+logger = logging.getLogger(__name__)
+
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
+
+
+def _installed() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
+def check_fp8(training_args, strategy, on_cpu: bool) -> None:
+    """Refuse, in one line, an --fp8 run that could not work or was never measured."""
+    if not getattr(training_args, "fp8", False):
+        return
+    if not _installed():
+        raise RecipeError("--fp8 needs torchao: pip install 'vit-recipes[fp8]' (or pip install torchao)")
+    if strategy.deepspeed is not None or strategy.fsdp:
+        raise RecipeError(
+            f"--fp8 runs on one GPU or under DDP; with {strategy.name} it is untested (DeepSpeed and FSDP2 "
+            "shard the float8 layers' weights): drop --fp8 or use accelerate_configs/ddp.yaml"
+        )
+    if not on_cpu and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_CAPABILITY:
+            raise RecipeError(
+                f"--fp8 needs FP8 tensor cores (compute capability 8.9+, e.g. H100, H200, L40S); this GPU is "
+                f"{capability[0]}.{capability[1]}: drop --fp8"
+            )
+
+
+def _convertible(module: torch.nn.Module, name: str) -> bool:
+    if not isinstance(module, torch.nn.Linear) or module.in_features % 16 or module.out_features % 16:
+        return False
+    parts = name.split(".")
+    return "classifier" not in parts and not any(p.startswith("lora_") for p in parts)
+
+
+def convert_to_fp8(model: torch.nn.Module, training_args) -> int:
+    """Swap the model's eligible linear layers for torchao's Float8Linear in place; returns how many."""
+    if not getattr(training_args, "fp8", False):
+        return 0
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    emulate = not torch.cuda.is_available() or getattr(training_args, "use_cpu", False)
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=emulate), module_filter_fn=_convertible)
+    converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    if not converted:
+        raise RecipeError("--fp8 found no linear layer it could convert (sizes must be multiples of 16): drop --fp8")
+    logger.info(
+        "--fp8: %d linear layers run their matmuls in FP8 (torchao float8, tensorwise scales)%s",
+        converted,
+        "; emulated on the CPU (no speed-up)" if emulate else "",
+    )
+    return converted
