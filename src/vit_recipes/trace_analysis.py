@@ -262,14 +262,17 @@ def summarize_rank(trace: dict, path: Path, rank: int, top: int = 15) -> RankSum
             kernel_totals[e["name"]][0] += e["dur"]
             kernel_totals[e["name"]][1] += 1
         op_totals = kernel_totals
+        by_collective: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for e in sorted(comm_events, key=lambda e: e["ts"]):
             name = collective_type(e["name"])
             args = e.get("args") or {}
-            nccl_kernels.append(((args.get("Process Group Name"), e["name"]), e["ts"], e["ts"] + e["dur"], name))
-        for name in sorted({k[3] for k in nccl_kernels}):
-            mine = union(e for e in comm_events if collective_type(e["name"]) == name)
+            span = (e["ts"], e["ts"] + e["dur"])
+            nccl_kernels.append(((args.get("Process Group Name"), e["name"]), *span, name))
+            by_collective[name].append(span)
+        for name, spans in sorted(by_collective.items()):
+            mine = clip(merge(spans), window)
             collectives[name] = {
-                "calls": sum(1 for k in nccl_kernels if k[3] == name),
+                "calls": len(spans),
                 "kernel_ms": total(mine) / 1e3,
                 "exposed_ms": total(intersect(mine, exposed)) / 1e3,
             }
