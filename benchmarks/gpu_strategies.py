@@ -311,8 +311,9 @@ def compare_weights(a: Path, b: Path, atol: float = 2e-2) -> tuple[bool, str]:
 def reevaluate(runs: list[Run], records: dict, work: Path, assets: Path, log) -> list[dict]:
     """Each saved model, loaded plainly in a fresh process on one GPU, must score what its run reported."""
     # One GPU: a lone process that sees several is refused (the Trainer would use DataParallel; strategy.py).
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=(visible or ["0"])[0])
+    from run import visible_gpu_ids  # benchmarks/run.py
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=(visible_gpu_ids() or ["0"])[0])
     checks = []
     for run in runs:
         out = work / run.name

@@ -397,6 +397,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def visible_gpu_ids() -> list[str]:
+    """The GPUs CUDA_VISIBLE_DEVICES leaves this process (empty: unset, i.e. all of the machine's)."""
+    return [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+
+
 def child_env(run: dict, names: list[str], cache_dir: str | None) -> dict[str, str]:
     env = dict(os.environ)
     src = str(ROOT / "src")  # the package imports without `pip install -e .`
@@ -408,8 +413,8 @@ def child_env(run: dict, names: list[str], cache_dir: str | None) -> dict[str, s
     if names:
         # The run's GPUs: the first `gpus` of those visible (a lane of a shared machine sets CUDA_VISIBLE_DEVICES).
         # A lone python process sees exactly one (the script refuses DataParallel over several).
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join((visible or [str(i) for i in range(len(names))])[: run["gpus"]])
+        visible = visible_gpu_ids() or [str(i) for i in range(len(names))]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[: run["gpus"]])
     if cache_dir:
         env["HF_DATASETS_CACHE"] = cache_dir
     return env

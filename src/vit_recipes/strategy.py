@@ -197,9 +197,7 @@ def check_launch(argv: list[str]) -> None:
     local = _env_int("LOCAL_WORLD_SIZE", default=world)
     if world <= 1 or wants_cpu(argv):
         return
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _visible_gpus()
     if gpus == 0:
         raise RecipeError(
             f"{world} processes were launched but this machine has no GPU: each would train alone on the CPU. "
