@@ -272,6 +272,7 @@ def _model_args(model_args, **changes) -> SimpleNamespace:
         "model_revision",
         "cache_dir",
         "attn_implementation",
+        "patch_embedding_matmul",
     )
     values = {name: getattr(model_args, name, None) for name in fields}
     values["model_revision"] = values["model_revision"] or "main"

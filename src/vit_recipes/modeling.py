@@ -14,6 +14,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
 
 from .errors import RecipeError
+from .patch_embedding import use_patch_matmul
 from .strategy import model_class_for, zero3_enabled, zero3_state_dict_for_new_head
 
 try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way
@@ -120,6 +121,7 @@ def build_model(model_args, label_names: list[str]):
             config.model_type,
             sum(p.numel() for p in model.parameters()) / 1e6,
         )
+    use_patch_matmul(model, getattr(model_args, "patch_embedding_matmul", True) is not False)
     return model, image_size
 
 
