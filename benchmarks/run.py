@@ -382,7 +382,7 @@ def library_versions() -> dict[str, str | None]:
     from importlib import metadata
 
     versions: dict[str, str | None] = {}
-    for name in ("torch", "transformers", "accelerate", "deepspeed", "datasets", "timm", "peft"):
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "datasets", "timm", "peft", "torchao"):
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -472,3 +472,26 @@ def test_gpu_strategies_reevaluates_each_saved_model_on_one_gpu(monkeypatch, tmp
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "2"
     assert seen["cmd"][1] == "run_image_classification.py" and "--do_train" in seen["cmd"]
     assert [c["ok"] for c in checks] == [True], checks
+
+
+def test_kernel_timings_group_kernels_and_refuse_without_a_gpu():
+    from types import SimpleNamespace
+
+    kernels = load_module("kernels")
+    events = [
+        SimpleNamespace(key="nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", self_device_time_total=3000.0),
+        SimpleNamespace(key="void cublasLt::splitKreduce_kernel<32, 16>", self_device_time_total=500.0),
+        SimpleNamespace(key="cudnn_generated_fort_native_sdpa_sm90_flash_bprop", self_device_time_total=2000.0),
+        SimpleNamespace(key="triton_poi_fused_gelu_view_6", self_device_time_total=1000.0),
+    ]
+    groups = kernels.kernel_groups(SimpleNamespace(key_averages=lambda: events))
+    assert groups == {"matmul": 3.5, "attention": 2.0, "other": 1.0}
+    record = {"device": "NVIDIA H200", "command": "python benchmarks/kernels.py --out x", "git_commit": "abc",
+              "sections": {"Patch embedding": {"vit-b16-b512 matmul ms": 1.255, "note": "unsupported: x"}}}  # fmt: skip
+    text = kernels.markdown(record)
+    assert "| vit-b16-b512 matmul ms | 1.255 |" in text and "| note | unsupported: x |" in text
+    if not kernels.torch.cuda.is_available():
+        result = subprocess.run(
+            [sys.executable, BENCH / "kernels.py", "--out", "unused"], capture_output=True, text=True
+        )
+        assert result.returncode == 1 and result.stderr.strip().endswith("needs a CUDA GPU")

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 
 from vit_recipes import transforms as T
@@ -95,6 +96,13 @@ def test_eval_is_plain_crop_when_storage_fits():
     pixels = random_pixels(2, 80, 90)
     top, left = (80 - 64) // 2, (90 - 64) // 2
     assert torch.equal(evaluate(pixels) * 255, pixels[..., top : top + 64, left : left + 64].float())
+
+
+@pytest.mark.parametrize("size", [1, 7, 224])
+def test_affine_grid_matches_torch(size):
+    theta = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(size))
+    want = F.affine_grid(theta, [5, 3, size, size], align_corners=False)
+    torch.testing.assert_close(T.affine_grid(theta, size), want, atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("flip", [0.0, 1.0])

@@ -108,9 +108,24 @@ def _centre_crop_size(height: int, width: int, ratio: tuple[float, float]) -> tu
     return float(width), float(height)
 
 
+def affine_grid(theta: Tensor, size: int) -> Tensor:
+    """`F.affine_grid(theta, (B, C, size, size), align_corners=False)` by broadcasting.
+
+    affine_grid multiplies a (B, size*size, 3) grid by theta as a batched matmul with an inner size of 3, which GPUs
+    run poorly (an fp32 bmm of 1.3 ms per ViT-B/16 batch of 512 on an H200, a third of the augmentation); the same
+    sums over broadcast rows and columns are a few elementwise passes.
+    """
+    coords = (torch.arange(size, device=theta.device, dtype=theta.dtype) * 2 + 1) / size - 1  # pixel centres
+    xs, ys = coords.view(1, 1, size), coords.view(1, size, 1)
+    t = theta.view(-1, 6, 1, 1).unbind(1)
+    gx = t[0] * xs + t[1] * ys + t[2]
+    gy = t[3] * xs + t[4] * ys + t[5]
+    return torch.stack([gx, gy], dim=-1)
+
+
 def resample(x: Tensor, theta: Tensor, size: int, padding_mode: str) -> Tensor:
     """Bilinear sampling of float images through per-sample affine maps onto a size x size grid."""
-    grid = F.affine_grid(theta.to(x.dtype), [x.shape[0], x.shape[1], size, size], align_corners=False)
+    grid = affine_grid(theta.to(x.dtype), size)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=padding_mode, align_corners=False)
 
 
