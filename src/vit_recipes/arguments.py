@@ -183,7 +183,8 @@ class RecipeTrainingArguments(TrainingArguments):
         metadata={
             "help": "Run the transformer's linear layers in FP8 (torchao float8, per-tensor scales; needs torchao and "
             "a GPU with FP8 tensor cores: H100, H200, L40S). Weights, optimizer and saved model stay as they are; "
-            "the head and LoRA adapters stay in bf16. One GPU or DDP. Emulated (no speed-up) on the CPU."
+            "the head and LoRA adapters stay in bf16. One GPU or DDP. Emulated (no speed-up) on the CPU. Measured on "
+            "an H200: ~30% less peak memory but slower for ViT-B (-17%) and ViT-H (-3%), whose layers are too narrow."
         },
     )
     report_to: None | str | list[str] = field(
