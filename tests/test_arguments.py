@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from vit_recipes.arguments import parse_args
 from vit_recipes.errors import RecipeError
@@ -90,3 +91,22 @@ def test_token_never_stays_in_training_args(tmp_path, monkeypatch):
     import os
 
     assert os.environ["HF_TOKEN"] == "hf_" + "x" * 30
+
+
+def test_legacy_matmul_precision_follows_the_tf32_transformers_sets():
+    """Compiling on a GPU, transformers turns TF32 on through torch's new API; max-autotune then read the legacy
+    setting and failed on the mix (H200, torch 2.11). The same mix fails here on the CPU without the alignment."""
+    from vit_recipes.arguments import align_matmul_precision
+
+    before = torch.backends.fp32_precision, torch.get_float32_matmul_precision()
+    try:
+        torch.backends.fp32_precision = "tf32"  # what transformers' enable_tf32(True) does on torch >= 2.9
+        with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+            torch.get_float32_matmul_precision()
+        align_matmul_precision()
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before[1])
+        torch.backends.fp32_precision = before[0]
+    assert torch.get_float32_matmul_precision() == before[1]

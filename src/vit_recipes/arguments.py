@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
@@ -210,6 +211,19 @@ class RecipeTrainingArguments(TrainingArguments):
             logger.info("--torch_compile: dropping each epoch's incomplete last batch (a new shape would recompile)")
             self.dataloader_drop_last = True
         super().__post_init__()
+        align_matmul_precision()
+
+
+def align_matmul_precision() -> None:
+    """Give torch's legacy TF32 setting the value transformers set through the new API.
+
+    Compiling on a GPU, transformers enables TF32 with `torch.backends.fp32_precision = "tf32"`; inductor's matmul
+    autotuning (`--torch_compile_mode max-autotune*`) still reads the legacy `torch.get_float32_matmul_precision()`,
+    which raises on the mix ("mix of the legacy and new APIs", torch 2.11 on an H200 and 2.13). "high" is the legacy
+    name for the same TF32 choice, so nothing else changes.
+    """
+    if getattr(torch.backends, "fp32_precision", None) == "tf32":
+        torch.set_float32_matmul_precision("high")
 
 
 ARGUMENT_CLASSES = (
