@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     timeline = Timeline()  # wall time per phase, from the process's start: where a short run's minute goes
     distributed.check_launch(argv)  # processes vs GPUs, before parsing starts the process group
+    distributed.remove_shm_buffer_at_exit()  # DeepSpeed on CPUs leaves a shared-memory buffer per rank otherwise
     args = parse_args(argv)
     training_args = args.training
     distributed.check_strategy(args)  # DDP/DeepSpeed/FSDP settings vs arguments, device and host memory

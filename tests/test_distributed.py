@@ -14,6 +14,7 @@ save and merge it. The whole script under FSDP2 is proven on GPUs (benchmarks/gp
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -78,6 +79,19 @@ def _forget_deepspeed_config():
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
+
+
+def deepspeed_shm_buffers() -> set[str]:
+    return set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_memory_left_behind():
+    """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm unless the script removes it at exit."""
+    before = deepspeed_shm_buffers()
+    yield
+    left = deepspeed_shm_buffers() - before
+    assert not left, f"DeepSpeed shared-memory buffers left behind: {sorted(left)}"
 
 
 def run_args(data, model, out, *extra, steps=STEPS):
