@@ -10,8 +10,9 @@ On one GPU, bf16 autocast, forward + backward, CUDA-event timings after warm-up:
 - one ViT-B/16 encoder layer at batch 512: eager, compiled (what --torch_compile_regions runs), compiled with
   torchao FP8 (--fp8), and timm's Block compiled; the compiled layer's kernels grouped into matmuls, attention and
   the rest, which bounds the whole model's speed (12 layers).
-Writes kernels.json (figures, command, commit, device, versions), kernels.md and layer_kernels.txt (the profiler's
-table). Needs a CUDA GPU.
+Writes kernels.json (figures, command, commit, device, versions), kernels.md with kernels.png, and
+layer_kernels.txt (the profiler's table). Needs a CUDA GPU; `--replot` redraws kernels.md and kernels.png from
+kernels.json anywhere.
 """
 
 from __future__ import annotations
@@ -167,6 +168,65 @@ def layer(out: Path) -> dict:
     return results
 
 
+TARGET_IMAGES_PER_SECOND = 5_000  # the speed issue's one-GPU ViT-B/16 target
+LAYERS = 12  # ViT-B/16
+
+
+def chart(record: dict, path: Path) -> None:
+    """One compiled layer's time by kernel group next to the other variants, and 12 layers against the step the
+    5,000 img/s target allows at batch 512."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layer = record["sections"]["One encoder layer"]
+    parts = [(group, layer[f"compiled layer {group} ms"]) for group in ("matmul", "attention", "other")]
+    colours = {"matmul": "tab:blue", "attention": "tab:orange", "other": "tab:grey"}
+    others = [
+        (name, layer.get(key))
+        for name, key in (
+            ("eager", "ViT-B/16 layer eager ms"),
+            ("compiled + FP8", "ViT-B/16 layer compiled fp8 ms"),
+            ("timm Block, compiled", "timm Block compiled ms"),
+        )
+        if isinstance(layer.get(key), float)
+    ]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12.8, 3.8), gridspec_kw={"width_ratios": [1, 1]})
+    labels = ["compiled"] + [name for name, _ in others]
+    start = 0.0
+    for group, ms in parts:
+        left.barh(0, ms, left=start, color=colours[group], label=group)
+        start += ms
+    for i, (_, ms) in enumerate(others, start=1):
+        left.barh(i, ms, color="tab:purple", alpha=0.6)
+        left.text(ms, i, f" {ms:.1f}", va="center")
+    left.text(start, 0, f" {layer['ViT-B/16 layer compiled ms']:.1f} (kernels {start:.1f})", va="center")
+    left.set_xlim(0, max([start] + [ms for _, ms in others]) * 1.45)
+    left.set_yticks(range(len(labels)), labels)
+    left.invert_yaxis()
+    left.set_xlabel("ms per layer, forward + backward")
+    left.set_title("One ViT-B/16 layer, batch 512, bf16")
+    left.legend(loc="center right", fontsize=8)
+    start = 0.0
+    for group, ms in parts:
+        right.barh(0, ms * LAYERS, left=start, color=colours[group], label=group)
+        start += ms * LAYERS
+    target_ms = 512 / TARGET_IMAGES_PER_SECOND * 1000
+    right.axvline(target_ms, color="tab:red", linestyle="--")
+    target = f"whole step at {TARGET_IMAGES_PER_SECOND:,} img/s: {target_ms:.0f} ms "
+    right.text(target_ms, 0.5, target, ha="right", color="tab:red")
+    right.text(start, 0, f" {start:.0f} ms of kernels", va="center")
+    right.set_xlim(0, start * 1.35)
+    right.set_yticks([0], [f"{LAYERS} compiled layers"])
+    right.set_ylim(-0.6, 0.8)
+    right.set_xlabel("ms per batch of 512")
+    right.set_title("The encoder alone vs the one-GPU target")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def markdown(record: dict) -> str:
     lines = [
         f"# Kernel timings ({record['device']})",
@@ -180,16 +240,22 @@ def markdown(record: dict) -> str:
         lines += [f"| {name} | {value:,} |" if isinstance(value, float) else f"| {name} | {value} |"
                   for name, value in figures.items()]  # fmt: skip
         lines.append("")
+    lines += ["![kernels](kernels.png)", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for kernels.json, kernels.md, layer_kernels.txt")
+    parser.add_argument("--replot", action="store_true", help="rewrite kernels.md and kernels.png from kernels.json")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.replot:
+        record = json.loads((out / "kernels.json").read_text())
+        write_report(record, out)
+        return
     if not torch.cuda.is_available():
         sys.exit("error: benchmarks/kernels.py times GPU kernels and needs a CUDA GPU")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sections = {}
     for title, fn in (
@@ -208,8 +274,13 @@ def main(argv: list[str] | None = None) -> None:
         "sections": sections,
     }
     (out / "kernels.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_report(record, out)
+
+
+def write_report(record: dict, out: Path) -> None:
+    chart(record, out / "kernels.png")
     (out / "kernels.md").write_text(markdown(record))
-    print(f"wrote {out}/kernels.json, kernels.md, layer_kernels.txt")
+    print(f"wrote {out}/kernels.md and kernels.png")
 
 
 if __name__ == "__main__":

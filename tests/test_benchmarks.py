@@ -474,7 +474,7 @@ def test_gpu_strategies_reevaluates_each_saved_model_on_one_gpu(monkeypatch, tmp
     assert [c["ok"] for c in checks] == [True], checks
 
 
-def test_kernel_timings_group_kernels_and_refuse_without_a_gpu():
+def test_kernel_timings_group_kernels_replot_and_refuse_without_a_gpu(tmp_path):
     from types import SimpleNamespace
 
     kernels = load_module("kernels")
@@ -490,6 +490,13 @@ def test_kernel_timings_group_kernels_and_refuse_without_a_gpu():
               "sections": {"Patch embedding": {"vit-b16-b512 matmul ms": 1.255, "note": "unsupported: x"}}}  # fmt: skip
     text = kernels.markdown(record)
     assert "| vit-b16-b512 matmul ms | 1.255 |" in text and "| note | unsupported: x |" in text
+    layer = {"ViT-B/16 layer compiled ms": 11.2, "compiled layer matmul ms": 5.8, "compiled layer attention ms": 1.5,
+             "compiled layer other ms": 3.5, "ViT-B/16 layer eager ms": 13.8, "timm Block compiled ms": "timm not installed"}  # fmt: skip
+    record["sections"]["One encoder layer"] = layer
+    (tmp_path / "kernels.json").write_text(json.dumps(record))
+    kernels.main(["--out", str(tmp_path), "--replot"])  # no GPU needed: redraws from the record
+    assert (tmp_path / "kernels.png").stat().st_size > 10_000
+    assert "![kernels](kernels.png)" in (tmp_path / "kernels.md").read_text()
     if not kernels.torch.cuda.is_available():
         result = subprocess.run(
             [sys.executable, BENCH / "kernels.py", "--out", "unused"], capture_output=True, text=True
