@@ -175,5 +175,6 @@ def model_args(**kw):
         model_revision="main",
         cache_dir=None,
         attn_implementation="sdpa",
+        patch_embedding_matmul=True,
     )
     return SimpleNamespace(**{**base, **kw})

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from conftest import model_args
 from torch import nn
 
 from vit_recipes.patch_embedding import PatchMatmulConv2d, is_patch_conv, use_patch_matmul
@@ -41,19 +42,11 @@ def test_only_non_overlapping_unpadded_convolutions_are_swapped():
 
 
 def test_the_vit_keeps_its_outputs_and_checkpoint_format(tiny_vit):
-    from types import SimpleNamespace
-
     from vit_recipes.modeling import build_model
 
-    def model_args(matmul):
-        return SimpleNamespace(
-            model_name_or_path=str(tiny_vit), config_name=None, config_overrides=None, model_revision="main",
-            cache_dir=None, attn_implementation="sdpa", patch_embedding_matmul=matmul,
-        )  # fmt: skip
-
     labels = [f"c{i}" for i in range(7)]
-    fast, _ = build_model(model_args(True), labels)
-    plain, _ = build_model(model_args(False), labels)
+    fast, _ = build_model(model_args(model_name_or_path=str(tiny_vit), patch_embedding_matmul=True), labels)
+    plain, _ = build_model(model_args(model_name_or_path=str(tiny_vit), patch_embedding_matmul=False), labels)
     assert type(fast.vit.embeddings.patch_embeddings.projection) is PatchMatmulConv2d
     assert type(plain.vit.embeddings.patch_embeddings.projection) is nn.Conv2d
     assert {k: v.shape for k, v in fast.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}

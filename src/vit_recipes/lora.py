@@ -277,6 +277,7 @@ def _model_args(model_args, **changes) -> SimpleNamespace:
     values = {name: getattr(model_args, name, None) for name in fields}
     values["model_revision"] = values["model_revision"] or "main"
     values["attn_implementation"] = values["attn_implementation"] or "sdpa"
+    values["patch_embedding_matmul"] = values["patch_embedding_matmul"] is not False  # ModelArguments' default
     return SimpleNamespace(**{**values, **changes})
 
 

@@ -121,7 +121,7 @@ def build_model(model_args, label_names: list[str]):
             config.model_type,
             sum(p.numel() for p in model.parameters()) / 1e6,
         )
-    use_patch_matmul(model, getattr(model_args, "patch_embedding_matmul", True) is not False)
+    use_patch_matmul(model, model_args.patch_embedding_matmul)
     return model, image_size
 
 
