@@ -33,7 +33,7 @@ from conftest import logged_losses as losses
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
-from vit_recipes.strategy import RANK_REPORT_DIR, RANK_REPORT_ENV
+from vit_recipes.strategy import RANK_REPORT_DIR, RANK_REPORT_ENV, SHM_BUFFER_PREFIX
 
 CLASSES = 10
 STEPS = 20
@@ -82,7 +82,7 @@ def _forget_deepspeed_config():
 
 
 def deepspeed_shm_buffers() -> set[str]:
-    return set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    return set(glob.glob(SHM_BUFFER_PREFIX + "*"))
 
 
 @pytest.fixture(autouse=True)

@@ -759,7 +759,7 @@ def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", c
     return state_dict
 
 
-SHM_BUFFER_DIR = "/dev/shm"
+SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"  # DeepSpeed's shm comm op (csrc/cpu/comm/shm.cpp)
 
 
 def remove_shm_buffer_at_exit() -> None:
@@ -773,7 +773,7 @@ def remove_shm_buffer_at_exit() -> None:
     rank, port = os.environ.get("RANK"), os.environ.get("MASTER_PORT")
     if rank is None or port is None:
         return
-    pattern = os.path.join(SHM_BUFFER_DIR, f"deepspeed_allreduce_buffer_*_{port}_{rank}")
+    pattern = f"{SHM_BUFFER_PREFIX}*_{port}_{rank}"
 
     def remove() -> None:
         for path in glob.glob(pattern):
