@@ -164,17 +164,7 @@ def logged_losses(out: Path) -> list[float]:
 
 
 def model_args(**kw):
-    """ModelArguments-like namespace for calling the package's model builders directly."""
-    from types import SimpleNamespace
+    """ModelArguments for calling the package's model builders directly (no checkpoint unless given)."""
+    from vit_recipes.arguments import ModelArguments
 
-    base = dict(
-        model_name_or_path=None,
-        config_name=None,
-        config_overrides=None,
-        image_processor_name=None,
-        model_revision="main",
-        cache_dir=None,
-        attn_implementation="sdpa",
-        patch_embedding_matmul=True,
-    )
-    return SimpleNamespace(**{**base, **kw})
+    return ModelArguments(**{"model_name_or_path": None, **kw})

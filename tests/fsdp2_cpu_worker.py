@@ -30,8 +30,12 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_canonicalize_names, fsdp2_prepare_model
 from transformers import ViTForImageClassification
 
-from vit_recipes.lora import FinetuneSetup, LoraArguments, _model_args, apply_lora, base_signature, save_final_model
-from vit_recipes.strategy import check_fsdp_wrap
+from vit_recipes.adapters import save_final_model
+from vit_recipes.arguments import LoraArguments, ModelArguments
+from vit_recipes.checks import check_fsdp_wrap
+from vit_recipes.lora import apply_lora, base_signature
+from vit_recipes.modeling import FinetuneSetup
+from vit_recipes.plan import read_strategy
 
 
 def fixed_batches(config, steps: int, batch: int = 8):
@@ -96,7 +100,9 @@ def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
 
     model = load(model_dir, lora)
     signature = base_signature(model) if lora else None  # of the frozen base, as build_finetune_model records it
-    check_fsdp_wrap(None, model)  # our refusal must let the shipped config through
+    check_fsdp_wrap(
+        read_strategy(SimpleNamespace(world_size=2)), model
+    )  # our refusal must let the shipped config through
     full = {name: p.numel() for name, p in model.named_parameters()}
     if plugin.activation_checkpointing:
         model = fsdp2_apply_ac(accelerator, model)
@@ -156,9 +162,7 @@ def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
             save_file(trained, out / "trained.safetensors")
         labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
         for name, merge in (("adapter", False), ("merged", True)):
-            setup = FinetuneSetup(
-                "lora", merge, _model_args(SimpleNamespace(), model_name_or_path=model_dir), labels, {}, signature
-            )
+            setup = FinetuneSetup("lora", merge, ModelArguments(model_name_or_path=model_dir), labels, {}, signature)
             save_adapter(accelerator, model, out / name, setup)
         report["saved"] = sorted(p.name for p in out.iterdir() if p.is_dir())
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))

@@ -51,7 +51,7 @@ def test_activations_by_hand(shape):
 
 def test_model_states_per_gpu_by_hand(shape):
     n = 4  # GPUs on one node, bf16
-    got = {e.option.key: (e.params, e.grads, e.optimizer, e.host_per_node) for e in estimate(shape, n, 4)}
+    got = {e.strategy.name: (e.params, e.grads, e.optimizer, e.host_per_node) for e in estimate(shape, n, 4)}
     expected = {
         # accelerate: fp32 weights, fp32 + 16-bit gradients, Adam moments
         "ddp": (4 * P, 6 * P, 8 * P, 0),
@@ -63,8 +63,8 @@ def test_model_states_per_gpu_by_hand(shape):
         "zeropp": (2 * P / n + 4 * LAYER + 2 * P / n, 4 * P / n, 12 * P / n, 0),
         "zero3_offload": (4 * LAYER, 0, 0, P * 18 * 1.5),
         # FSDP2: accelerate's DDP figures sharded, plus two unsharded 16-bit layers in flight
-        "fsdp": (4 * P / n + 4 * LAYER, 6 * P / n, 8 * P / n, 0),
-        "fsdp_offload": (4 * LAYER, 2 * LAYER, 0, 16 * P * 1.5),
+        "fsdp2": (4 * P / n + 4 * LAYER, 6 * P / n, 8 * P / n, 0),
+        "fsdp2_offload": (4 * LAYER, 2 * LAYER, 0, 16 * P * 1.5),
     }
     assert set(got) == set(expected)
     for key, values in expected.items():
@@ -75,7 +75,7 @@ def test_totals_agree_with_deepspeeds_estimators(shape):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    got = {e.option.key: e for e in estimate(shape, 8, 4, nodes=2)}
+    got = {e.strategy.name: e for e in estimate(shape, 8, 4, nodes=2)}
     _, zero2 = estimate_zero2_model_states_mem_needs(P, 4, 2, cpu_offload=False)
     _, zero3, _ = estimate_zero3_model_states_mem_needs(P, LAYER, 4, 2, cpu_offload=False, cpu_offload_params=False)
     assert got["zero2"].states == pytest.approx(zero2, abs=1)
@@ -84,16 +84,16 @@ def test_totals_agree_with_deepspeeds_estimators(shape):
 
 def test_fits_and_recommendation(shape):
     estimates = estimate(shape, 4, 4, overhead_gib=0)
-    by_key = {e.option.key: e for e in estimates}
+    by_key = {e.strategy.name: e for e in estimates}
     ddp = by_key["ddp"]
     assert ddp.fits(ddp.total) == "yes"
     assert ddp.fits(ddp.total - 1) == "with ckpt"
     assert ddp.fits(ddp.total_ckpt - 1) == "no"
     pick, ckpt = advise.recommend(estimates, ddp.total)
-    assert pick.option.key == "ddp" and not ckpt
+    assert pick.strategy.name == "ddp" and not ckpt
     zero2 = by_key["zero2"]
     pick, ckpt = advise.recommend(estimates, zero2.total)  # DDP no longer fits, ZeRO-1 neither: ZeRO-2 does
-    assert pick.option.key == "zero2" and not ckpt
+    assert pick.strategy.name == "zero2" and not ckpt
     assert advise.recommend(estimates, 1) is None
 
 

@@ -1,6 +1,6 @@
 """Distributed strategies on the CPU: 2 processes over gloo, through `accelerate launch` and `deepspeed`.
 
-Every launched run writes a rank report (VIT_RECIPES_DEBUG_RANK_REPORT=1, see vit_recipes/strategy.py) and the
+Every launched run writes a rank report (VIT_RECIPES_DEBUG_RANK_REPORT=1, see vit_recipes/rank_report.py) and the
 tests assert on it: the world size, the wrapper the Trainer actually trained (DistributedDataParallel or
 DeepSpeedEngine), the ZeRO stage and how much of the parameters / optimizer states each rank holds. A launcher that
 silently fell back to one process or to plain DDP fails here. fp32, fixed seed, no random augmentation and the
@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,8 @@ from conftest import logged_losses as losses
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
-from vit_recipes.strategy import RANK_REPORT_DIR, RANK_REPORT_ENV, SHM_BUFFER_PREFIX
+from vit_recipes.launch import SHM_BUFFER_PREFIX
+from vit_recipes.rank_report import RANK_REPORT_DIR, RANK_REPORT_ENV
 
 CLASSES = 10
 STEPS = 20
@@ -500,10 +502,13 @@ def parse(*extra, data="data", model="model", out="out"):
 
 
 def check(*extra, **kwargs):
-    from vit_recipes.strategy import check_strategy
+    """Plan the run (its checks decide) and apply the plan, as the script does; return its strategy."""
+    from vit_recipes.plan import build_plan, configure
 
     args = parse(*extra, **kwargs)
-    return check_strategy(args), args
+    plan = build_plan(args)
+    configure(plan, args)
+    return plan.strategy, args
 
 
 def ds_file(tmp_path, **changes) -> Path:
@@ -530,9 +535,9 @@ def test_deepspeed_config_conflicts_with_the_arguments(tmp_path):
 
 
 def test_fixed_bf16_in_the_deepspeed_config_conflicts_with_fp16(tmp_path, monkeypatch):
-    from vit_recipes import strategy
+    from vit_recipes import plan
 
-    monkeypatch.setattr(strategy, "_on_cpu", lambda t: False)  # as on a GPU: fp16 itself is fine there
+    monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")  # as on a GPU: fp16 itself is fine there
     fixed = ds_file(tmp_path, bf16__enabled=True)
     with pytest.raises(RecipeError, match=r"bf16.enabled=true vs --bf16 false"):
         check("--deepspeed", fixed, "--use_cpu", "true", "--fp16", "true")
@@ -544,10 +549,10 @@ def test_fp16_on_the_cpu_is_refused():
 
 
 def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
-    from vit_recipes import strategy
+    from vit_recipes import checks, plan
 
-    monkeypatch.setattr(strategy, "_on_cpu", lambda t: False)
-    monkeypatch.setattr(strategy, "_gpu_bf16_ok", lambda: False)
+    monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")
+    monkeypatch.setattr(checks, "gpu_bf16_ok", lambda: False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what accelerate_configs/ddp.yaml sets
     with pytest.raises(RecipeError, match="bf16 is not supported by this GPU"):
         check("--use_cpu", "true")
@@ -556,34 +561,33 @@ def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
 def test_one_process_seeing_several_gpus_is_refused(monkeypatch):
     """Seen on H200s: a lone process with 2 GPUs visible ran ViT-B at 421 img/s under the Trainer's DataParallel,
     against 2,561 on one GPU."""
-    from vit_recipes import strategy
+    from vit_recipes import checks, plan
 
-    monkeypatch.setattr(strategy, "_on_cpu", lambda t: False)
-    monkeypatch.setattr(strategy, "_visible_gpus", lambda: 2)
+    monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")
+    monkeypatch.setattr(checks, "visible_gpus", lambda: 2)
     with pytest.raises(
         RecipeError, match=r"2 GPUs are visible to one process: .*DataParallel.*CUDA_VISIBLE_DEVICES=0"
     ):
         check("--use_cpu", "true")
     check("--use_cpu", "true", "--deepspeed", ROOT / "ds_configs/zero2.json")  # a DeepSpeed process owns one GPU
-    monkeypatch.setattr(strategy, "_visible_gpus", lambda: 1)
+    monkeypatch.setattr(checks, "visible_gpus", lambda: 1)
     check("--use_cpu", "true")
 
 
 def test_more_processes_than_gpus_is_refused_before_parsing(monkeypatch):
-    from vit_recipes.strategy import check_launch
+    from vit_recipes.launch import check_processes
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(RecipeError, match="4 processes on this machine but only 2 GPU"):
-        check_launch(["--output_dir", "x"])
+        check_processes(use_cpu=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(RecipeError, match="no GPU: each would train alone"):
-        check_launch(["--output_dir", "x"])
-    check_launch(["--output_dir", "x", "--use_cpu", "true"])  # CPU processes over gloo: fine
-    check_launch(["--output_dir", "x", "--use_cpu"])
+        check_processes(use_cpu=False)
+    check_processes(use_cpu=True)  # CPU processes over gloo: fine
 
 
 def test_deepspeed_and_fsdp_together_are_refused(monkeypatch):
@@ -612,10 +616,10 @@ def test_regional_compile_under_zero3_is_refused(monkeypatch):
 
 
 def test_fsdp_turns_gradient_checkpointing_into_its_own(monkeypatch):
-    from vit_recipes import strategy
+    from vit_recipes import checks, plan
 
-    monkeypatch.setattr(strategy, "_on_cpu", lambda t: False)
-    monkeypatch.setattr(strategy, "_gpu_bf16_ok", lambda: True)
+    monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")
+    monkeypatch.setattr(checks, "gpu_bf16_ok", lambda: True)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "false")
     found, args = check("--use_cpu", "true", "--gradient_checkpointing", "true")
@@ -647,7 +651,7 @@ def check_saved_lora(out: Path, model_dir: Path, reference) -> None:
     from fsdp2_cpu_worker import load
     from transformers import AutoModelForImageClassification
 
-    from vit_recipes.lora import load_model
+    from vit_recipes.adapters import load_model
 
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     lora_keys = {
@@ -691,7 +695,7 @@ def test_fsdp2_config_really_shards_vit(lora, checkpointing, same_head_vit, tmp_
     With LoRA (our --use_peft wrapping), the frozen base and the adapters are sharded alike and only the adapters and
     the head train; then the adapter is saved as the script saves it (the Trainer's FSDP2 FULL_STATE_DICT save), and
     merged. With FSDP's activation checkpointing, peft saved the head alone on 2 H200s (the merge then failed: "missing
-    adapter keys"); the same happened here until ImageClassificationTrainer._save saved through lora.without_activation_wrappers.
+    adapter keys"); the same happened here until ImageClassificationTrainer._save saved through adapters.without_activation_wrappers.
     """
     config = "fsdp.yaml"
     steps = 4
@@ -736,21 +740,25 @@ def test_fsdp_wrap_list_holding_the_embedding_is_refused(monkeypatch):
     """accelerate's default for ViT (its _no_split_modules) wraps ViTEmbeddings; one line says what to wrap instead."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    from vit_recipes.strategy import check_fsdp_wrap
+    from vit_recipes.checks import check_fsdp_wrap
+    from vit_recipes.plan import read_strategy
+
+    def fsdp():
+        return read_strategy(types.SimpleNamespace(world_size=2))
 
     model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP", raising=False)
     with pytest.raises(RecipeError, match=r"cannot wrap ViTEmbeddings from .*_no_split_modules.*; wrap ViTLayer only"):
-        check_fsdp_wrap(None, model)
+        check_fsdp_wrap(fsdp(), model)
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "ViTLayer,ViTPatchEmbeddings")
     with pytest.raises(RecipeError, match="cannot wrap ViTPatchEmbeddings from the FSDP wrap list"):
-        check_fsdp_wrap(None, model)
+        check_fsdp_wrap(fsdp(), model)
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "ViTLayer")
-    check_fsdp_wrap(None, model)
+    check_fsdp_wrap(fsdp(), model)
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP")
-    check_fsdp_wrap(None, model)  # not FSDP: nothing to check
+    check_fsdp_wrap(fsdp(), model)  # not FSDP: nothing to check
 
 
 def test_zeropp_quantized_weights_refuse_a_head_that_does_not_split_into_groups_of_8(monkeypatch, tmp_path):
@@ -761,14 +769,15 @@ def test_zeropp_quantized_weights_refuse_a_head_that_does_not_split_into_groups_
 
     from transformers import ViTConfig, ViTForImageClassification
 
-    from vit_recipes.strategy import check_model
+    from vit_recipes.checks import check_model
+    from vit_recipes.plan import read_strategy
 
     def vit(labels: int):
         config = ViTConfig(hidden_size=768, num_hidden_layers=1, num_attention_heads=12, intermediate_size=64)
         return ViTForImageClassification(config.__class__(**{**config.to_dict(), "num_labels": labels}))
 
     def args(config, world: int):
-        return SimpleNamespace(deepspeed=str(ROOT / "ds_configs" / config), world_size=world)
+        return read_strategy(SimpleNamespace(deepspeed=str(ROOT / "ds_configs" / config), world_size=world))
 
     qwz = json.loads((ROOT / "ds_configs/zeropp.json").read_text())
     qwz["zero_optimization"]["zero_quantized_weights"] = True  # shipped off for this reason; users may turn it on
@@ -819,17 +828,18 @@ def fake_deepspeed_checkpoint(folder: Path, world: int) -> Path:
 
 
 def test_resume_with_another_world_size_is_refused(tmp_path):
-    from vit_recipes.strategy import check_resume, deepspeed_checkpoint_world_size
+    from vit_recipes.checks import check_resume, deepspeed_checkpoint_world_size
+    from vit_recipes.plan import read_strategy
 
     checkpoint = fake_deepspeed_checkpoint(tmp_path, world=4)
     assert deepspeed_checkpoint_world_size(checkpoint) == 4
     args = parse("--deepspeed", ROOT / "ds_configs/zero2.json", "--use_cpu", "true")
     with pytest.raises(RecipeError, match="written by 4 DeepSpeed processes and this run has 1"):
-        check_resume(args.training, str(checkpoint))
+        check_resume(read_strategy(args.training), str(checkpoint))
     plain = parse("--use_cpu", "true")
     with pytest.raises(RecipeError, match="is a DeepSpeed checkpoint"):
-        check_resume(plain.training, str(checkpoint))
-    check_resume(plain.training, None)
+        check_resume(read_strategy(plain.training), str(checkpoint))
+    check_resume(read_strategy(plain.training), None)
 
 
 def test_conflict_stops_the_script_before_any_work(tmp_path, same_head_vit, run_script):

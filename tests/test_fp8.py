@@ -79,34 +79,39 @@ def test_lora_adapters_and_head_stay_out_of_fp8(tiny_vit):
     assert trained and all("lora_" in n or "classifier" in n for n in trained), trained
 
 
-def test_fp8_refusals(monkeypatch):
-    from types import SimpleNamespace
+def test_fp8_refusals(monkeypatch, tmp_path):
+    from vit_recipes import checks, plan
+    from vit_recipes.arguments import parse_args
 
-    from vit_recipes import fp8
+    def build(*extra):
+        args = ["--dataset_name", "data", "--output_dir", str(tmp_path), "--report_to", "none", "--fp8", "true"]
+        return plan.build_plan(parse_args([*args, "--use_cpu", "true", *map(str, extra)]))
 
-    single = SimpleNamespace(deepspeed=None, fsdp=False, name="ddp")
-    on = SimpleNamespace(fp8=True)
-    with pytest.raises(RecipeError, match="--fp8 runs on one GPU or under DDP; with deepspeed-zero2 it is untested"):
-        fp8.check_fp8(on, SimpleNamespace(deepspeed={}, fsdp=False, name="deepspeed-zero2"), on_cpu=True)
-    with pytest.raises(RecipeError, match="--fp8 runs on one GPU or under DDP; with fsdp it is untested"):
-        fp8.check_fp8(on, SimpleNamespace(deepspeed=None, fsdp=True, name="fsdp"), on_cpu=False)
+    with pytest.raises(RecipeError, match="--fp8 runs on one GPU or under DDP; with ZeRO-2 it is untested"):
+        build("--deepspeed", ROOT / "ds_configs/zero2.json")
+    monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")  # FSDP runs on GPUs only
+    monkeypatch.setattr(checks, "gpu_bf16_ok", lambda: True)
+    monkeypatch.setattr(checks, "visible_gpus", lambda: 1)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match="--fp8 runs on one GPU or under DDP; with FSDP2 it is untested"):
+        build()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))  # an A100
     with pytest.raises(RecipeError, match=r"needs FP8 tensor cores .* this GPU is 8.0"):
-        fp8.check_fp8(on, single, on_cpu=False)
+        checks.check_fp8(on_cpu=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # an H100/H200
-    fp8.check_fp8(on, single, on_cpu=False)
-    monkeypatch.setattr(fp8, "_installed", lambda: False)
+    checks.check_fp8(on_cpu=False)
+    monkeypatch.setattr(checks, "torchao_installed", lambda: False)
     with pytest.raises(RecipeError, match=r"--fp8 needs torchao: pip install 'vit-recipes\[fp8\]'"):
-        fp8.check_fp8(on, single, on_cpu=False)
-    fp8.check_fp8(SimpleNamespace(fp8=False), single, on_cpu=False)  # off: nothing to check
+        checks.check_fp8(on_cpu=False)
 
 
 def test_fp8_with_deepspeed_is_refused_by_the_script(tmp_path):
     from vit_recipes.arguments import parse_args
-    from vit_recipes.strategy import check_strategy
+    from vit_recipes.plan import build_plan
 
     args = parse_args(["--dataset_name", "data", "--output_dir", str(tmp_path), "--report_to", "none", "--use_cpu",
                        "true", "--fp8", "true", "--deepspeed", str(ROOT / "ds_configs/zero2.json")])  # fmt: skip
-    with pytest.raises(RecipeError, match="--fp8 runs on one GPU or under DDP; with deepspeed-zero2"):
-        check_strategy(args)
+    with pytest.raises(RecipeError, match="--fp8 runs on one GPU or under DDP; with ZeRO-2"):
+        build_plan(args)

@@ -1,4 +1,3 @@
-import json
 import types
 from pathlib import Path
 
@@ -7,16 +6,9 @@ import pytest
 from huggingface_hub import ModelCard, metadata_load
 from huggingface_hub.errors import OfflineModeIsEnabled
 
+from vit_recipes.card import CardInfo, build_model_card, hardware_description, write_model_card
 from vit_recipes.errors import RecipeError
-from vit_recipes.hub import (
-    CardInfo,
-    build_model_card,
-    check_push_ready,
-    distributed_strategy,
-    hardware_description,
-    hub_error_message,
-    write_model_card,
-)
+from vit_recipes.hub import check_push_ready, hub_error_message
 
 FAKE_TOKEN = "hf_abcdefghijklmnopqrstuvwx"
 ENV_TOKEN = "hf_ZYXWVUTSRQPONMLKJIHGFEDCBA0123"
@@ -68,36 +60,6 @@ def test_check_push_ready_refuses_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RecipeError, match="HF_HUB_OFFLINE"):
         check_push_ready(push_args())
-
-
-def strategy_args(deepspeed=None, fsdp="", world_size=1):
-    return types.SimpleNamespace(deepspeed=deepspeed, fsdp=fsdp, world_size=world_size)
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_strategy_deepspeed_dict(stage):
-    config = {"zero_optimization": {"stage": stage}, "train_batch_size": "auto"}
-    assert distributed_strategy(strategy_args(deepspeed=config, world_size=2)) == f"deepspeed-zero{stage}"
-
-
-def test_strategy_deepspeed_json_file(tmp_path):
-    path = tmp_path / "ds_zero3.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    assert distributed_strategy(strategy_args(deepspeed=str(path))) == "deepspeed-zero3"
-
-
-def test_strategy_from_accelerate_env(monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-    assert distributed_strategy(strategy_args(world_size=4)) == "deepspeed-zero2"
-
-
-def test_strategy_fsdp_ddp_single(monkeypatch):
-    assert distributed_strategy(strategy_args(fsdp=["full_shard", "auto_wrap"], world_size=2)) == "fsdp"
-    assert distributed_strategy(strategy_args(world_size=2)) == "ddp"
-    assert distributed_strategy(strategy_args()) == "single-device"
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    assert distributed_strategy(strategy_args(world_size=2)) == "fsdp"
 
 
 def test_hardware_description_is_one_short_line():
@@ -152,7 +114,7 @@ def card_info(**overrides) -> CardInfo:
         command=f"accelerate launch run_image_classification.py --config recipes/cifar100.yaml --hub_token {FAKE_TOKEN}",
         recipe="recipes/cifar100.yaml",
         recipe_text="dataset_name: cifar100\nlearning_rate: 5.0e-5\n",
-        strategy="deepspeed-zero3",
+        strategy="zero3",
         hardware="2 x NVIDIA H200",
         throughput=1234.5,
         per_class_markdown=PER_CLASS,
@@ -171,7 +133,7 @@ def test_model_card_round_trip(tmp_path):
     assert data.datasets == ["uoft-cs/cifar100"]
     assert data.license == "apache-2.0" and data.pipeline_tag == "image-classification"
     assert data.library_name == "transformers"
-    assert {"image-classification", "vision", "vit", "deepspeed-zero3", "cifar100"} <= set(data.tags)
+    assert {"image-classification", "vision", "vit", "zero3", "cifar100"} <= set(data.tags)
     assert {"accuracy", "f1"} <= set(data.metrics)
 
     results = {r.metric_type: r for r in data.eval_results}

@@ -16,25 +16,26 @@ import yaml
 from conftest import FAST_ARGS, ROOT, model_args, tiny_vit_config
 from safetensors.torch import load_file
 
-from vit_recipes.arguments import parse_args
-from vit_recipes.errors import RecipeError
-from vit_recipes.lora import (
-    LoraArguments,
-    apply_lora,
-    attach_adapter,
-    base_signature,
-    build_finetune_model,
-    check_lora_strategy,
+from vit_recipes.adapters import (
+    check_adapter_strategy,
     check_saved_adapter,
-    head_module_names,
     load_model,
-    resolve_target_modules,
-    training_flops,
-    unwrap,
     without_activation_wrappers,
     write_base_record,
 )
-from vit_recipes.strategy import RANK_REPORT_DIR, RANK_REPORT_ENV
+from vit_recipes.arguments import LoraArguments, parse_args
+from vit_recipes.errors import RecipeError
+from vit_recipes.flops import training_flops_per_image
+from vit_recipes.lora import (
+    apply_lora,
+    attach_adapter,
+    base_signature,
+    head_module_names,
+    resolve_target_modules,
+    unwrap,
+)
+from vit_recipes.modeling import FinetuneSetup, build_finetune_model
+from vit_recipes.rank_report import RANK_REPORT_DIR, RANK_REPORT_ENV
 
 
 def tiny_model(seed=0, hidden=32, labels=5):
@@ -282,8 +283,7 @@ def test_adapter_saved_without_its_lora_weights_is_refused_when_saved(saved_adap
 
 
 def test_card_fields_name_peft_and_the_base_for_adapters():
-    from vit_recipes.hub import CardInfo, build_model_card
-    from vit_recipes.lora import FinetuneSetup
+    from vit_recipes.card import CardInfo, build_model_card
 
     setup = FinetuneSetup("lora", False, None, ["a", "b"], {"train_trainable_percent": 0.77}, lora={"lora_r": 16})
     info = dict(
@@ -351,15 +351,13 @@ def fsdp(version=2, use_orig_params=False, state_dict_type="StateDictType.FULL_S
     ],
 )
 def test_strategies_that_cannot_save_an_adapter_are_refused_before_training(trainer, message):
-    from vit_recipes.lora import FinetuneSetup
-
     setup = FinetuneSetup("lora", False, None, [], {})
     if message is None:
-        check_lora_strategy(trainer, setup)
+        check_adapter_strategy(trainer, setup)
     else:
         with pytest.raises(RecipeError, match=message):
-            check_lora_strategy(trainer, setup)
-    check_lora_strategy(trainer, FinetuneSetup("full", False, None, [], {}))  # full fine-tuning: not our business
+            check_adapter_strategy(trainer, setup)
+    check_adapter_strategy(trainer, FinetuneSetup("full", False, None, [], {}))  # full fine-tuning: not our business
 
 
 def test_the_shipped_strategy_configs_pass_the_lora_checks():
@@ -371,16 +369,15 @@ def test_the_shipped_strategy_configs_pass_the_lora_checks():
 
 
 def test_training_flops_count_no_weight_gradients_for_a_frozen_backbone():
-    from vit_recipes.flops import vit_forward_flops
-    from vit_recipes.lora import FinetuneSetup
+    from vit_recipes.flops import forward_flops
 
     config = tiny_model().config
-    forward = vit_forward_flops(config)
-    setups = {m: FinetuneSetup(m, False, None, [], {}) for m in ("full", "lora", "head")}
-    assert training_flops(config, False, setups["full"]) == pytest.approx(3 * forward)
-    assert training_flops(config, False, setups["lora"]) == pytest.approx(2 * forward)
-    assert training_flops(config, True, setups["lora"]) == pytest.approx(3 * forward)
-    assert training_flops(config, False, setups["head"]) == pytest.approx(forward)
+    forward = forward_flops(config)
+    setups = {m: m for m in ("full", "lora", "head")}
+    assert training_flops_per_image(config, False, setups["full"]) == pytest.approx(3 * forward)
+    assert training_flops_per_image(config, False, setups["lora"]) == pytest.approx(2 * forward)
+    assert training_flops_per_image(config, True, setups["lora"]) == pytest.approx(3 * forward)
+    assert training_flops_per_image(config, False, setups["head"]) == pytest.approx(forward)
 
 
 # ------------------------------------------------------------------------------------------------ the script
@@ -588,10 +585,12 @@ def test_rank_zero_exits_with_one_line(tmp_path, tiny_vit):
 
 # ------------------------------------------------------------------------------------------------ transfer
 
+sys.path.append(str(ROOT / "benchmarks"))  # transfer.py is a script there, not part of the package
+
 
 @pytest.fixture(scope="session")
 def transfer_record(tmp_path_factory):
-    from vit_recipes.transfer import FASHION_MNIST, Runner, run_check
+    from transfer import FASHION_MNIST, Runner, run_check
 
     if not Path(FASHION_MNIST, "train-images-idx3-ubyte.gz").is_file():
         pytest.skip(f"Fashion-MNIST not found in {FASHION_MNIST}")
@@ -640,7 +639,10 @@ def test_lora_under_zero3_bf16_on_two_processes_saves_a_merged_model(transfer_re
     result = subprocess.run([*launch, *map(str, argv)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "LoRA: trainable params" in result.stdout
-    for rank in (0, 1):  # zero3.json's ViTLayer leaf modules are dropped for adapters (lora.check_lora_strategy)
+    for rank in (
+        0,
+        1,
+    ):  # zero3.json's ViTLayer leaf modules are dropped for adapters (adapters.drop_zero3_leaf_modules)
         report = json.loads((out / RANK_REPORT_DIR / f"rank{rank}.json").read_text())
         assert report["zero_stage"] == 3 and report["zero3_leaf_modules"] == [], report
     saved = {p.name for p in out.iterdir()}
@@ -652,8 +654,8 @@ def test_lora_under_zero3_bf16_on_two_processes_saves_a_merged_model(transfer_re
 
 
 def test_transfer_chooses_learning_rates_on_validation_and_keeps_to_its_budget(tmp_path):
-    """The bookkeeping of vit_recipes.transfer, with a stand-in for the script (no training)."""
-    from vit_recipes.transfer import SIZES, RunResult, override, run_check
+    """The bookkeeping of benchmarks/transfer.py, with a stand-in for the script (no training)."""
+    from transfer import SIZES, RunResult, override, run_check
 
     base = tmp_path / "work" / "pretrained"
     base.mkdir(parents=True)

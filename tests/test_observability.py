@@ -7,9 +7,9 @@ import logging
 import pytest
 from conftest import run_args
 
-from vit_recipes.arguments import parse_args
+from vit_recipes.arguments import parse_args, resolve_report_to
 from vit_recipes.errors import RecipeError
-from vit_recipes.observability import StepMetricsCallback, resolve_report_to
+from vit_recipes.meter import SpeedMeter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -45,8 +45,8 @@ def test_tensorboard_is_the_default_tracker(tmp_path):
 
 
 def test_default_degrades_with_one_line_without_tensorboard(monkeypatch, caplog):
-    monkeypatch.setattr("vit_recipes.observability.tensorboard_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="vit_recipes.observability"):
+    monkeypatch.setattr("vit_recipes.arguments.tensorboard_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="vit_recipes.arguments"):
         assert resolve_report_to("tensorboard") == "none"
         assert resolve_report_to(["tensorboard", "wandb"]) == "wandb"
     assert [r.getMessage() for r in caplog.records] == [
@@ -66,7 +66,7 @@ def test_profile_window(tmp_path):
     assert parse_args(["--dataset_name", "x", "--output_dir", str(tmp_path)]).observe.profile_window is None
 
 
-# --- StepMetricsCallback --------------------------------------------------------------------------------------
+# --- SpeedMeter ---------------------------------------------------------------------------------------------
 
 
 class _Args:
@@ -75,8 +75,8 @@ class _Args:
 
 def test_step_metrics_per_log_interval(monkeypatch):
     clock = iter([0.0, 1.0, 1.5, 2.0, 10.0, 10.25])
-    monkeypatch.setattr("vit_recipes.observability.time.perf_counter", lambda: next(clock))
-    callback = StepMetricsCallback(images_per_step=16, flops_per_image=1e9, peak_flops=64e9)
+    monkeypatch.setattr("vit_recipes.meter.time.perf_counter", lambda: next(clock))
+    callback = SpeedMeter(images_per_step=16, flops_per_image=1e9, peak_flops=64e9)
     callback.on_train_begin(_Args, None, None)  # t=0
     callback.add_data_wait(0.25)
     callback.on_step_end(_Args, None, None)  # step 1: 1.0 s

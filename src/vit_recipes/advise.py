@@ -35,6 +35,8 @@ import sys
 from dataclasses import dataclass
 
 from .errors import RecipeError
+from .hub import offline_env
+from .strategies import STRATEGIES, StrategySpec
 
 GIB = 2**30
 
@@ -57,35 +59,13 @@ class ModelShape:
         return (self.image_size // self.patch_size) ** 2 + 1  # patches + [CLS]
 
 
-@dataclass(frozen=True)
-class Option:
-    key: str
-    label: str
-    config: str
-    ds_config: str | None = None
-
-
-OPTIONS = (
-    Option("ddp", "DDP", "accelerate_configs/ddp.yaml"),
-    Option("zero1", "ZeRO-1", "accelerate_configs/zero1.yaml", "ds_configs/zero1.json"),
-    Option("zero2", "ZeRO-2", "accelerate_configs/zero2.yaml", "ds_configs/zero2.json"),
-    Option(
-        "zero2_offload", "ZeRO-2 + offload", "accelerate_configs/zero2_offload.yaml", "ds_configs/zero2_offload.json"
-    ),
-    Option("zero3", "ZeRO-3", "accelerate_configs/zero3.yaml", "ds_configs/zero3.json"),
-    Option("zeropp", "ZeRO++", "accelerate_configs/zeropp.yaml", "ds_configs/zeropp.json"),
-    Option(
-        "zero3_offload", "ZeRO-3 + offload", "accelerate_configs/zero3_offload.yaml", "ds_configs/zero3_offload.json"
-    ),
-    Option("fsdp", "FSDP2", "accelerate_configs/fsdp.yaml"),
-    Option("fsdp_offload", "FSDP2 + offload", "accelerate_configs/fsdp_offload.yaml"),
-)
-OPTION_BY_KEY = {o.key: o for o in OPTIONS}
+# Every multi-process strategy in the table; one device needs no advice.
+OPTIONS = tuple(s for s in STRATEGIES if s.multi_process)
 
 
 @dataclass
 class Estimate:
-    option: Option
+    strategy: StrategySpec
     params: float  # bytes per GPU
     grads: float
     optimizer: float
@@ -137,9 +117,7 @@ def load_config(name: str, cache_dir: str | None = None, revision: str = "main")
         return AutoConfig.from_pretrained(name, cache_dir=cache_dir, revision=revision, local_files_only=True)
     except (OSError, ValueError):
         pass
-    from .hub import _offline_env
-
-    if _offline_env():
+    if offline_env():
         raise RecipeError(
             f"'{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: pass a local folder with "
             "config.json (--model ./checkpoint), or run once online"
@@ -272,7 +250,7 @@ def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, pr
         return ddp["model"], ddp["gradients"], ddp["optimizer"], 0.0
     if key.startswith("fsdp"):
         in_flight = 2 * L * (4 if precision == "fp32" else 2)  # two unsharded layers in the compute dtype
-        if key == "fsdp":
+        if key == "fsdp2":
             return ddp["model"] / n + in_flight, ddp["gradients"] / n, ddp["optimizer"] / n, 0.0
         host = (4 + 4 + 8) * P / nodes * buffer  # fp32 shards of params, grads and Adam moments on the host
         return in_flight, in_flight / 2, 0.0, host
@@ -334,23 +312,23 @@ def estimate(
     act = activation_bytes(shape, batch, precision, False, attention)
     act_ckpt = activation_bytes(shape, batch, precision, True, attention)
     out = []
-    for option in OPTIONS:
-        if keys and option.key not in keys:
+    for spec in OPTIONS:
+        if keys and spec.name not in keys:
             continue
-        params, grads, optimizer, host = model_states(option.key, shape, per_node, nodes, precision)
-        out.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host, overhead_gib * GIB))
+        params, grads, optimizer, host = model_states(spec.name, shape, per_node, nodes, precision)
+        out.append(Estimate(spec, params, grads, optimizer, act, act_ckpt, host, overhead_gib * GIB))
     return out
 
 
-def host_memory_for(strategy, shape: ModelShape, gpus_per_node: int, nodes: int) -> float:
-    """Host bytes per node that the offload of a `strategy.Strategy` needs."""
-    optimizer_off, param_off = strategy.offload()
+def host_memory_for(strategy, shape: ModelShape) -> float:
+    """Host bytes per node that the offload of a run's `plan.Strategy` needs."""
+    per_node, nodes = strategy.processes_per_node, strategy.nodes
     if strategy.fsdp:
-        return float(model_states("fsdp_offload", shape, gpus_per_node, nodes)[3])
+        return float(model_states("fsdp2_offload", shape, per_node, nodes)[3])
     P, L = shape.params, shape.largest_layer_params
     if strategy.zero_stage == 3:
-        return float(_ds_zero3(P, L, gpus_per_node, nodes, optimizer_off, param_off)[0])
-    return float(_ds_zero2(P, gpus_per_node, nodes, optimizer_off)[0])
+        return float(_ds_zero3(P, L, per_node, nodes, strategy.offload_optimizer, strategy.offload_params)[0])
+    return float(_ds_zero2(P, per_node, nodes, strategy.offload_optimizer)[0])
 
 
 # -------------------------------------------------------------------------------------------------- report
@@ -396,7 +374,7 @@ def render(
     for e in estimates:
         rows.append(
             (
-                e.option.label,
+                e.strategy.label,
                 _gib(e.params),
                 _gib(e.grads),
                 _gib(e.optimizer),
@@ -406,7 +384,7 @@ def render(
                 _gib(e.total_ckpt),
                 e.fits(gpu_bytes),
                 _gib(e.host_per_node) if e.host_per_node else "-",
-                e.option.config,
+                e.strategy.accelerate_config,
             )
         )
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(header))]
@@ -424,25 +402,25 @@ def render(
         e, ckpt = pick
         extra = " --gradient_checkpointing true" if ckpt else ""
         lines.append(
-            f"Suggested: {e.option.label}{' with gradient checkpointing' if ckpt else ''}: accelerate launch "
-            f"--config_file {e.option.config} --num_processes {gpus} run_image_classification.py "
+            f"Suggested: {e.strategy.label}{' with gradient checkpointing' if ckpt else ''}: accelerate launch "
+            f"--config_file {e.strategy.accelerate_config} --num_processes {gpus} run_image_classification.py "
             f"--per_device_train_batch_size {batch}{extra} ..."
         )
-        if e.option.ds_config:
+        if e.strategy.deepspeed_config:
             lines.append(
                 f"   or: deepspeed --num_gpus {gpus // nodes} run_image_classification.py --deepspeed "
-                f"{e.option.ds_config} --per_device_train_batch_size {batch}{extra} ..."
+                f"{e.strategy.deepspeed_config} --per_device_train_batch_size {batch}{extra} ..."
             )
     return "\n".join(lines)
 
 
 # Simplest/fastest first: communication grows down the list, offload trades GPU memory for host bandwidth.
-PREFERENCE = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zeropp", "zero2_offload", "fsdp_offload", "zero3_offload")
+PREFERENCE = ("ddp", "zero1", "zero2", "fsdp2", "zero3", "zeropp", "zero2_offload", "fsdp2_offload", "zero3_offload")
 
 
 def recommend(estimates: list[Estimate], gpu_bytes: float) -> tuple[Estimate, bool] | None:
     """The first strategy in PREFERENCE that fits, preferring no checkpointing (it costs ~30% more compute)."""
-    by_key = {e.option.key: e for e in estimates}
+    by_key = {e.strategy.name: e for e in estimates}
     for ckpt in (False, True):
         for key in PREFERENCE:
             e = by_key.get(key)

@@ -1,16 +1,19 @@
-"""Command-line and recipe arguments.
+"""Command-line and recipe arguments: every dataclass the script parses, and the checks of their values.
 
 Every setting lives in exactly one dataclass field below (or in `TrainingArguments`). A YAML recipe passed with
-`--config` sets field values; flags on the command line override the recipe.
+`--config` sets field values; flags on the command line override the recipe. Each dataclass is one `--help` group.
+This module imports nothing of ours but errors: what is derived from the arguments is worked out once, in plan.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +22,6 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeError
-from .lora import LoraArguments
-from .lora import run_config as lora_run_config
-from .observability import DEFAULT_REPORT_TO, ObservabilityArguments, resolve_report_to
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ModelArguments:
     """Which model to fine-tune, or which config to train from scratch."""
+
+    _argument_group_name = "model"
 
     model_name_or_path: str | None = field(
         default="google/vit-base-patch16-224-in21k",
@@ -61,8 +63,8 @@ class ModelArguments:
         default=True,
         metadata={
             "help": "Compute the patch embedding (a convolution whose kernel equals its stride) as one matmul over "
-            "the flattened patches: the same sums, 4x faster on a GPU (ViT-B/16 batch 512 on an H200: 6.8 -> 1.7 "
-            "ms per step, +2.5% end to end). Weights and saved models are unchanged; false keeps the convolution."
+            "the flattened patches: the same sums, several times faster on a GPU (docs/benchmarks.md). Weights and "
+            "saved models are unchanged; false keeps the convolution."
         },
     )
 
@@ -70,6 +72,8 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     """Where the images come from and how they are stored for training."""
+
+    _argument_group_name = "data"
 
     dataset_name: str | None = field(
         default=None,
@@ -118,6 +122,8 @@ class DataArguments:
 class AugmentationArguments:
     """Batched augmentation that runs on the training device."""
 
+    _argument_group_name = "augmentation"
+
     crop_scale_min: float = field(
         default=0.08, metadata={"help": "Smallest area fraction of random-resized crop (1.0 disables cropping)."}
     )
@@ -134,6 +140,131 @@ class AugmentationArguments:
     )
 
 
+@dataclass
+class LoraArguments:
+    """LoRA adapters (peft): only the adapters and the classifier head are trained."""
+
+    _argument_group_name = "LoRA and head-only fine-tuning"
+
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of the full model."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling alpha (updates are scaled by alpha/r)."})
+    lora_dropout: float = field(default=0.1, metadata={"help": "Dropout on the LoRA path."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Module names to adapt, matched as name suffixes (e.g. q_proj v_proj fc1), or 'all-linear'. "
+            "Default: the attention query and value projections, whatever the transformers version calls them."
+        },
+    )
+    merge_adapter: bool = field(
+        default=False, metadata={"help": "Save a merged plain model instead of the adapter alone."}
+    )
+    freeze_backbone: bool = field(
+        default=False,
+        metadata={"help": "Train the classifier head alone on a frozen backbone (the baseline LoRA must beat)."},
+    )
+
+    def __post_init__(self):
+        _require(
+            (self.lora_r > 0, f"lora_r must be > 0, got {self.lora_r}"),
+            (self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}"),
+            (0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}"),
+            (self.use_peft or not self.merge_adapter, "--merge_adapter needs --use_peft (there is no adapter)"),
+            (
+                not (self.use_peft and self.freeze_backbone),
+                "--freeze_backbone and --use_peft exclude each other: LoRA already freezes the backbone",
+            ),
+            (
+                self.lora_target_modules is None or len(self.lora_target_modules) > 0,
+                "--lora_target_modules needs at least one name",
+            ),
+        )
+
+    @property
+    def method(self) -> str:
+        """ "full", "lora" or "head"."""
+        return "lora" if self.use_peft else "head" if self.freeze_backbone else "full"
+
+
+@dataclass
+class ObservabilityArguments:
+    """Profiler traces and plots written next to the model."""
+
+    _argument_group_name = "profiling and plots"
+
+    profile_steps: str | None = field(
+        default=None,
+        metadata={
+            "help": "Capture PyTorch profiler Chrome traces (one per rank) for these training steps, e.g. '20-25' "
+            "(pick a window after warm-up). Analyse with `python benchmarks/trace_analysis.py OUTPUT_DIR/profiler`."
+        },
+    )
+    profile_dir: str | None = field(default=None, metadata={"help": "Where traces go (default: OUTPUT_DIR/profiler)."})
+    profile_memory: bool = field(
+        default=False, metadata={"help": "Profiler: also record tensor allocations (bigger traces)."}
+    )
+    profile_record_shapes: bool = field(default=False, metadata={"help": "Profiler: record operator input shapes."})
+    profile_with_stack: bool = field(
+        default=False, metadata={"help": "Profiler: record Python stacks (much bigger traces)."}
+    )
+    plots: bool = field(default=True, metadata={"help": "Write loss/learning-rate/metric PNG plots after the run."})
+
+    def __post_init__(self):
+        if self.profile_steps is not None and str(self.profile_steps).strip().lower() in ("", "none", "null"):
+            self.profile_steps = None
+        if self.profile_steps is not None:
+            parse_steps(self.profile_steps)  # ValueError -> one-line RecipeError in parse_args
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        return parse_steps(self.profile_steps) if self.profile_steps else None
+
+
+def parse_steps(spec: str | int) -> tuple[int, int]:
+    """'20-25' -> (20, 25), '7' -> (7, 7): first and last optimizer step (1-based, inclusive) to profile."""
+    text = str(spec).strip()
+    parts = text.split("-")
+    try:
+        if len(parts) == 1:
+            start = end = int(parts[0])
+        elif len(parts) == 2:
+            start, end = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"profile_steps must look like '20-25' or '20', got {spec!r}") from None
+    if start < 1 or end < start:
+        raise ValueError(f"profile_steps must be FIRST-LAST with 1 <= FIRST <= LAST, got {spec!r}")
+    return start, end
+
+
+DEFAULT_REPORT_TO = "tensorboard"
+
+
+def tensorboard_available() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
+
+
+def resolve_report_to(report_to):
+    """Normalise `report_to` before TrainingArguments sees it.
+
+    Accepts a list, or a string with commas ("tensorboard,wandb"). TensorBoard (the default: local, no account) is
+    dropped with one warning when neither tensorboard nor tensorboardX is installed, instead of failing the run.
+    """
+    if report_to is None:
+        return "none"
+    names = report_to if isinstance(report_to, (list, tuple)) else str(report_to).split(",")
+    names = [str(n).strip(" []'\"") for n in names]  # also tolerates a YAML list read as its string form
+    names = [n for n in names if n]
+    if "tensorboard" in names and not tensorboard_available():
+        logger.warning("tensorboard is not installed: TensorBoard logging is off (pip install tensorboard).")
+        names = [n for n in names if n != "tensorboard"]
+    if not names or names == ["none"]:
+        return "none"
+    return names[0] if len(names) == 1 else names
+
+
 def _default_workers() -> int:
     # Our loader only slices pre-decoded uint8 arrays, so a few workers keep any GPU fed.
     return min(8, max(1, (os.cpu_count() or 2) // 2))
@@ -142,6 +273,8 @@ def _default_workers() -> int:
 @dataclass
 class RecipeTrainingArguments(TrainingArguments):
     """`TrainingArguments` with defaults suited to image classification."""
+
+    _argument_group_name = "training (transformers TrainingArguments, with these defaults)"
 
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Replace an output_dir that holds a different or finished run."}
@@ -184,8 +317,8 @@ class RecipeTrainingArguments(TrainingArguments):
         metadata={
             "help": "Run the transformer's linear layers in FP8 (torchao float8, per-tensor scales; needs torchao and "
             "a GPU with FP8 tensor cores: H100, H200, L40S). Weights, optimizer and saved model stay as they are; "
-            "the head and LoRA adapters stay in bf16. One GPU or DDP. Emulated (no speed-up) on the CPU. Measured on "
-            "an H200: ~30% less peak memory but slower for ViT-B (-17%) and ViT-H (-3%), whose layers are too narrow."
+            "the head and LoRA adapters stay in bf16. One GPU or DDP. Emulated (no speed-up) on the CPU. Saves "
+            "memory; slower for ViT-B/H, whose layers are too narrow (docs/benchmarks.md)."
         },
     )
     report_to: None | str | list[str] = field(
@@ -197,6 +330,7 @@ class RecipeTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        _to_activation_checkpointing(self)
         if self.dataloader_num_workers == 0:
             self.dataloader_persistent_workers = False
             self.dataloader_prefetch_factor = None
@@ -212,6 +346,22 @@ class RecipeTrainingArguments(TrainingArguments):
             self.dataloader_drop_last = True
         super().__post_init__()
         align_matmul_precision()
+
+
+def _to_activation_checkpointing(args: TrainingArguments) -> None:
+    """Hand `gradient_checkpointing(_kwargs)` to the names newer transformers read (`activation_checkpointing*`).
+
+    Recipes keep the old names, which every supported transformers reads; where the new ones exist (5.2x), passing
+    the old ones prints a FutureWarning on every run. Moving the values over first (the new name unset) keeps the
+    behaviour and silences it; the old names mirror the new ones again after TrainingArguments' own __post_init__.
+    """
+    for old, new in (
+        ("gradient_checkpointing", "activation_checkpointing"),
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+    ):
+        if hasattr(args, new) and getattr(args, new) is None and getattr(args, old) is not None:
+            setattr(args, new, getattr(args, old))
+            setattr(args, old, None)
 
 
 def align_matmul_precision() -> None:
@@ -292,6 +442,8 @@ def load_recipe(path: str | os.PathLike, parser: HfArgumentParser) -> dict[str, 
 
 @dataclass
 class RunArguments:
+    """Everything one run was asked for, one field per argument group."""
+
     model: ModelArguments
     data: DataArguments
     augment: AugmentationArguments
@@ -301,21 +453,36 @@ class RunArguments:
     recipe: str | None  # the --config file, if any
 
 
-def parse_args(argv: list[str] | None = None) -> RunArguments:
-    """Parse recipe + command line (the command line wins)."""
+def parse_args(
+    argv: list[str] | None = None, before_process_group: Callable[[bool], None] | None = None
+) -> RunArguments:
+    """Parse recipe + command line (the command line wins) into the argument dataclasses.
+
+    Building `TrainingArguments` starts the process group of a multi-process launch, so
+    `before_process_group(use_cpu)` runs first, on the parsed values, for checks that must precede it.
+    """
     parser = build_parser()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config:
         parser.set_defaults(**load_recipe(known.config, parser))
+    namespace, unknown = parser.parse_known_args(args=argv)
+    if unknown:
+        flags = [a.option_strings[0] for a in parser._actions if a.option_strings]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise RecipeError(f"unknown argument {unknown[0]}{hint}; `--help` lists them all")
+    if before_process_group is not None:
+        before_process_group(bool(namespace.use_cpu))
+    values = vars(namespace)
     try:
-        parsed = parser.parse_args_into_dataclasses(args=argv)
+        parsed = [cls(**{f.name: values[f.name] for f in fields(cls) if f.init}) for cls in ARGUMENT_CLASSES]
     except ValueError as err:  # raised by TrainingArguments.__post_init__ on inconsistent values
         raise RecipeError(f"invalid arguments: {str(err).splitlines()[0]}") from None
-    args = RunArguments(*parsed[: len(ARGUMENT_CLASSES)], recipe=known.config)
+    args = RunArguments(*parsed, recipe=known.config)
     _move_token_out_of_args(args.training)
-    validate_arguments(args.model, args.data, args.augment, args.training)
+    validate_arguments(args)
     return args
 
 
@@ -326,9 +493,16 @@ def _move_token_out_of_args(training_args: TrainingArguments) -> None:
         training_args.hub_token = None
 
 
-def validate_arguments(model_args, data_args, aug_args, training_args) -> None:
+def _require(*checks: tuple[Any, str]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise RecipeError(message)
+
+
+def validate_arguments(args: RunArguments) -> None:
     """Reject values that would only fail (or silently misbehave) later, in one line each."""
-    checks = [
+    model_args, data_args, aug_args, training_args = args.model, args.data, args.augment, args.training
+    _require(
         (training_args.learning_rate > 0, f"learning_rate must be > 0, got {training_args.learning_rate}"),
         (
             training_args.per_device_train_batch_size > 0,
@@ -378,20 +552,26 @@ def validate_arguments(model_args, data_args, aug_args, training_args) -> None:
             not (training_args.do_predict and data_args.predict_images is None and data_args.dataset_name is None),
             "--do_predict needs --predict_images (a folder of images) or a dataset with a test split",
         ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise RecipeError(message)
+        (
+            args.lora.method == "full" or model_args.model_name_or_path,
+            f"--{'use_peft' if args.lora.use_peft else 'freeze_backbone'} needs pretrained weights "
+            "(--model_name_or_path): a frozen randomly initialised backbone cannot learn",
+        ),
+    )
 
 
 def run_config(args: RunArguments) -> dict[str, Any]:
     """The settings that define *which* run an output directory holds (used to refuse mixing two runs)."""
-    return {
+    config = {
         "model_name_or_path": args.model.model_name_or_path,
         "config_name": args.model.config_name,
         "config_overrides": args.model.config_overrides,
         "dataset_name": args.data.dataset_name,
         "dataset_config_name": args.data.dataset_config_name,
         "seed": args.training.seed,
-        **lora_run_config(args.lora),  # LoRA / head-only runs (nothing for full fine-tuning)
     }
+    if args.lora.use_peft:  # LoRA and head-only runs are other runs than full fine-tuning
+        config.update(use_peft=True, lora_r=args.lora.lora_r, lora_target_modules=args.lora.lora_target_modules)
+    elif args.lora.freeze_backbone:
+        config["freeze_backbone"] = True
+    return config

@@ -1,6 +1,9 @@
-"""Analytic FLOPs of a ViT and the peak rates MFU is measured against."""
+"""FLOPs of a training image, counted by torch on the meta device, and the peak rates MFU is measured against."""
 
 from __future__ import annotations
+
+import functools
+import json
 
 # Dense peak rates (FLOP/s) per GPU, from the datasheets: bf16/fp16 tensor cores, and TF32 for fp32 training.
 PEAK_FLOPS = {
@@ -10,22 +13,40 @@ PEAK_FLOPS = {
 }
 
 
-def vit_forward_flops(config) -> float:
-    """Forward FLOPs for one image (multiply-add = 2 FLOPs): patch embedding, attention, MLP; head ignored."""
-    image, patch = config.image_size, config.patch_size
-    image = image[0] if isinstance(image, (list, tuple)) else image
-    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
-    d, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    patches = (image // patch) ** 2
-    tokens = patches + 1  # + [CLS]
-    embed = 2 * patches * (3 * patch * patch) * d
-    per_layer = 8 * tokens * d * d + 4 * tokens * d * inner + 4 * tokens * tokens * d
-    return float(embed + layers * per_layer)
+@functools.lru_cache(maxsize=8)
+def _forward_flops(config_json: str) -> float:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING
+
+    config = AutoConfig.for_model(**json.loads(config_json))
+    # The class itself, not from_config: under ZeRO-3, from_config would partition it with deepspeed.zero.Init.
+    with torch.device("meta"):  # no memory, no arithmetic: only shapes flow through
+        model = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)](config)
+        size = config.image_size[0] if isinstance(config.image_size, (list, tuple)) else config.image_size
+        pixels = torch.empty(1, getattr(config, "num_channels", 3), size, size)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(pixel_values=pixels)
+    return float(counter.get_total_flops())
 
 
-def training_flops_per_image(config, gradient_checkpointing: bool = False) -> float:
-    """Forward + backward (2x forward); checkpointing recomputes the forward once more."""
-    return (4.0 if gradient_checkpointing else 3.0) * vit_forward_flops(config)
+def forward_flops(config) -> float:
+    """Forward FLOPs of one image through the model `config` describes (a multiply-add is 2 FLOPs)."""
+    return _forward_flops(config.to_json_string(use_diff=False))
+
+
+def training_flops_per_image(config, gradient_checkpointing: bool, method: str = "full") -> float:
+    """Forward + backward FLOPs per training image, for MFU.
+
+    Backward is twice the forward (input and weight gradients); checkpointing recomputes the forward once more. A
+    frozen backbone (LoRA) computes no weight gradients, and head-only training does not backpropagate through it.
+    """
+    forward = forward_flops(config)
+    if method == "head":
+        return forward
+    total = (4.0 if gradient_checkpointing else 3.0) * forward
+    return total - forward if method == "lora" else total
 
 
 def peak_flops(device_name: str, precision: str) -> float | None:

@@ -6,14 +6,13 @@ execute at twice the bf16 rate. Left in higher precision: the classifier head (s
 LoRA's low-rank adapters (rank-16 matmuls gain nothing) and any layer whose sizes are not multiples of 16 (an FP8
 matmul needs them). On a CPU the FP8 arithmetic is emulated: same numerics, no speed-up (what the tests use).
 
-Measured on an H200 with regional compilation (benchmarks/results/h200_fp8): losses match bf16 and peak memory
-falls ~30%, but ViT-B/16 trains 17% slower and ViT-H/14 3% slower: at 768-1,280-wide layers the per-tensor scaling
-passes and casts cost more than the faster matmuls save. Off by default; meant for wider models and for memory.
+On GPUs losses match bf16 and peak memory falls, but ViT-B and ViT-H train slower: at 768-1,280-wide layers the
+per-tensor scaling passes and casts cost more than the faster matmuls save (docs/benchmarks.md). Off by default;
+meant for wider models and for memory. checks.py refuses it where it does not apply.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -21,32 +20,6 @@ import torch
 from .errors import RecipeError
 
 logger = logging.getLogger(__name__)
-
-MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
-
-
-def _installed() -> bool:
-    return importlib.util.find_spec("torchao") is not None
-
-
-def check_fp8(training_args, strategy, on_cpu: bool) -> None:
-    """Refuse, in one line, an --fp8 run that could not work or was never measured."""
-    if not getattr(training_args, "fp8", False):
-        return
-    if not _installed():
-        raise RecipeError("--fp8 needs torchao: pip install 'vit-recipes[fp8]' (or pip install torchao)")
-    if strategy.deepspeed is not None or strategy.fsdp:
-        raise RecipeError(
-            f"--fp8 runs on one GPU or under DDP; with {strategy.name} it is untested (DeepSpeed and FSDP2 "
-            "shard the float8 layers' weights): drop --fp8 or use accelerate_configs/ddp.yaml"
-        )
-    if not on_cpu and torch.cuda.is_available():
-        capability = torch.cuda.get_device_capability()
-        if capability < MIN_CAPABILITY:
-            raise RecipeError(
-                f"--fp8 needs FP8 tensor cores (compute capability 8.9+, e.g. H100, H200, L40S); this GPU is "
-                f"{capability[0]}.{capability[1]}: drop --fp8"
-            )
 
 
 def _convertible(module: torch.nn.Module, name: str) -> bool:

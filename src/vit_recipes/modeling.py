@@ -1,21 +1,45 @@
-"""Build the model (fine-tune a checkpoint, or train from a config) and the image processor saved with it."""
+"""The model a run trains: a checkpoint to fine-tune or a config to train from scratch, fine-tuned in full, as
+LoRA adapters (`--use_peft`) or as the head alone (`--freeze_backbone`); and the image processor saved with it.
+
+A folder holding a saved adapter can be passed as `--model_name_or_path`: it is put back on its base (checked to
+be the base it was trained on) for evaluation or further training.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoImageProcessor,
     AutoModelForImageClassification,
     PretrainedConfig,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
+    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+)
 
+from .arguments import LoraArguments, ModelArguments
 from .errors import RecipeError
+from .lora import (
+    adapter_base,
+    apply_lora,
+    attach_adapter,
+    base_signature,
+    head_module_names,
+    in_head,
+    is_adapter_dir,
+    target_names,
+    unwrap,
+)
 from .patch_embedding import use_patch_matmul
-from .strategy import model_class_for, zero3_enabled, zero3_state_dict_for_new_head
 
 try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way
     from transformers import BitImageProcessorPil as BitImageProcessor
@@ -105,7 +129,8 @@ def build_model(model_args, label_names: list[str]):
                     source, config, model_args.model_revision, model_args.cache_dir
                 )
                 if state_dict is not None:  # transformers takes a state_dict instead of a name, not with one
-                    loader, name, kwargs["state_dict"] = model_class_for(config).from_pretrained, None, state_dict
+                    model_class = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
+                    loader, name, kwargs["state_dict"] = model_class.from_pretrained, None, state_dict
         model = _quietly(
             loader,
             name,
@@ -135,6 +160,215 @@ def _quietly(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         hf_logging.set_verbosity(level)
+
+
+def parameter_counts(model: nn.Module) -> dict[str, float]:
+    """Trainable and total parameters (ZeRO-3-sharded parameters count in full)."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", None) or p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return {
+        "train_trainable_params": trainable,
+        "train_total_params": total,
+        "train_trainable_percent": round(100 * trainable / max(total, 1), 4),
+    }
+
+
+@dataclass
+class FinetuneSetup:
+    """How the model is fine-tuned, for the later steps of the script."""
+
+    method: str  # "full", "lora" or "head"
+    merge_adapter: bool
+    base_args: ModelArguments | None  # how to build the frozen base again (LoRA), for merging
+    label_names: list[str]
+    metrics: dict[str, float]  # parameter counts, added to the train metrics
+    signature: list | None = None  # of the frozen base (LoRA), see base_signature
+    lora: dict = field(default_factory=dict)  # r, alpha, dropout, target modules (LoRA)
+
+    def card_fields(self, hyperparameters: dict) -> dict:
+        """CardInfo fields: the peft library for an adapter, tags, and the method's hyperparameters."""
+        names = {"full": "full", "lora": "LoRA (peft)", "head": "head only (frozen backbone)"}
+        extra = {"finetuning": names[self.method], **self.lora}
+        if self.method != "full":
+            extra["trainable_parameters"] = f"{self.metrics['train_trainable_percent']:.2f}%"
+        if self.method == "lora":
+            extra["merged"] = self.merge_adapter
+        fields = {"hyperparameters": {**hyperparameters, **extra}}
+        if self.method == "lora":
+            fields["extra_tags"] = ["lora", "peft"] if not self.merge_adapter else ["lora"]
+            if not self.merge_adapter:
+                fields["library_name"] = "peft"
+        return fields
+
+
+def _print_counts(method: str, counts: dict, detail: str, training_args) -> None:
+    line = (
+        f"{method}: trainable params {counts['train_trainable_params']:,} of {counts['train_total_params']:,} "
+        f"({counts['train_trainable_percent']:.2f}%){detail}"
+    )
+    if getattr(training_args, "should_log", True):  # the main process; printed, as the script's summary is
+        print(line, flush=True)
+
+
+def build_finetune_model(model_args, lora_args: LoraArguments, training_args, label_names: list[str]):
+    """The model to train or evaluate, its input resolution, and a `FinetuneSetup`.
+
+    Must run before the Trainer is created (it sets DDP's find_unused_parameters for frozen backbones).
+    """
+    source = model_args.model_name_or_path
+    if is_adapter_dir(source):
+        return _build_from_adapter(model_args, lora_args, training_args, label_names)
+    method = lora_args.method
+    model, image_size = build_model(model_args, label_names)
+    setup = FinetuneSetup(method, lora_args.merge_adapter, None, list(label_names), {})
+    if method == "lora":
+        setup.signature = base_signature(model)
+        setup.base_args = model_args
+        model, detail = apply_lora(model, lora_args, training_args)
+        setup.lora = {
+            "lora_r": lora_args.lora_r,
+            "lora_alpha": lora_args.lora_alpha,
+            "lora_dropout": lora_args.lora_dropout,
+            "lora_target_modules": target_names(model.peft_config["default"]),
+        }
+        if lora_args.merge_adapter and getattr(training_args, "push_to_hub", False):
+            strategy = str(getattr(training_args.hub_strategy, "value", training_args.hub_strategy))
+            if strategy != "end":
+                raise RecipeError(
+                    "--merge_adapter with --push_to_hub needs --hub_strategy end: pushing every save would put "
+                    "adapter files into the repository of the merged model"
+                )
+    elif method == "head":
+        heads = head_module_names(model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(in_head(name, heads))
+        detail = f": the head ({', '.join(heads)}) on a frozen backbone"
+    else:
+        detail = ""
+    if method != "full" and getattr(training_args, "ddp_find_unused_parameters", None) is None:
+        # Every trainable parameter is used in each step; True would cost a graph walk per step and breaks reentrant
+        # checkpointing (the Trainer only infers False for plain transformers models).
+        training_args.ddp_find_unused_parameters = False
+    setup.metrics = parameter_counts(model)
+    _print_counts(
+        {"full": "Full fine-tuning", "lora": "LoRA", "head": "Head only"}[method], setup.metrics, detail, training_args
+    )
+    return model, image_size, setup
+
+
+def _build_from_adapter(model_args, lora_args, training_args, label_names):
+    """A saved adapter folder as --model_name_or_path: its base with its head, then the adapter."""
+    path = model_args.model_name_or_path
+    if lora_args.freeze_backbone:
+        raise RecipeError(f"{path} holds a LoRA adapter: --freeze_backbone does not apply to it")
+    _check_labels(path, label_names)
+    base_args = dataclasses.replace(model_args, model_name_or_path=adapter_base(path))
+    model, image_size = build_model(base_args, label_names)
+    trainable = bool(getattr(training_args, "do_train", False))
+    model = attach_adapter(model, path, is_trainable=trainable, base_source=base_args.model_name_or_path)
+    peft_config = model.peft_config["default"]
+    setup = FinetuneSetup(
+        "lora",
+        lora_args.merge_adapter,
+        base_args,
+        list(label_names),
+        parameter_counts(model),
+        signature=base_signature(model),
+        lora={
+            "lora_r": peft_config.r,
+            "lora_alpha": peft_config.lora_alpha,
+            "lora_dropout": peft_config.lora_dropout,
+            "lora_target_modules": target_names(peft_config),
+        },
+    )
+    if trainable and getattr(training_args, "ddp_find_unused_parameters", None) is None:
+        training_args.ddp_find_unused_parameters = False
+    if trainable and getattr(training_args, "gradient_checkpointing", False):
+        unwrap(model).enable_input_require_grads()
+    _print_counts(
+        "LoRA adapter", setup.metrics, f" loaded from {path} onto {base_args.model_name_or_path}", training_args
+    )
+    return model, image_size, setup
+
+
+def _check_labels(path, label_names) -> None:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return
+    id2label = json.loads(config_file.read_text()).get("id2label") or {}
+    saved = [id2label[k] for k in sorted(id2label, key=int)]
+    if saved and saved != list(label_names):
+        shown = ", ".join(saved[:5]) + (", ..." if len(saved) > 5 else "")
+        raise RecipeError(
+            f"the adapter in {path} classifies into {len(saved)} labels ({shown}), this dataset has "
+            f"{len(label_names)}: evaluate it on the dataset it was trained on"
+        )
+
+
+def zero3_enabled() -> bool:
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:
+        return False
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", cache_dir: str | None = None):
+    """The checkpoint's tensors minus those whose shape changes (the new classification head), or None.
+
+    Under ZeRO-3, `from_pretrained` loads through deepspeed.zero.Init and ignores `ignore_mismatched_sizes`: a
+    checkpoint whose head has another number of classes fails with a size mismatch. Passing the checkpoint without
+    those tensors as `state_dict` loads the rest and initialises the head like any missing weight. Like
+    transformers itself, only rank 0 reads values; the other ranks get meta tensors of the right shapes.
+    """
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+
+    def resolve(name):
+        return cached_file(
+            source, name, revision=revision, cache_dir=cache_dir, _raise_exceptions_for_missing_entries=False
+        )
+
+    files = []
+    if single := resolve(SAFE_WEIGHTS_NAME):
+        files = [single]
+    elif index := resolve(SAFE_WEIGHTS_INDEX_NAME):
+        shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+        files = [resolve(shard) for shard in shards]
+    if not files or not all(files):
+        return None  # .bin checkpoints: leave it to transformers
+    if type(config) not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
+        return None
+    model_class = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
+    with init_empty_weights():
+        expected = {k: tuple(v.shape) for k, v in model_class(config).state_dict().items()}
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    state_dict, dropped = {}, []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                piece = f.get_slice(key)
+                shape = tuple(piece.get_shape())
+                if key in expected and expected[key] != shape:
+                    dropped.append(key)
+                    continue
+                if rank0:
+                    state_dict[key] = f.get_tensor(key)
+                else:
+                    dtype = getattr(
+                        torch,
+                        {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(piece.get_dtype(), "float32"),
+                    )
+                    state_dict[key] = torch.empty(shape, dtype=dtype, device="meta")
+    if not dropped:
+        return None
+    logger.info("ZeRO-3: loading %s without %s (new head)", source, ", ".join(dropped))
+    return state_dict
 
 
 def mean_std(model_args) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -2,7 +2,7 @@
 
 The profiler records a window of optimizer steps on every rank and writes, per rank:
 - `rank{r}.pt.trace.json.gz`: a Chrome trace (opens in https://ui.perfetto.dev or chrome://tracing, and in
-  HolisticTraceAnalysis; `python -m vit_recipes.trace_analysis DIR` writes a report);
+  HolisticTraceAnalysis; `python benchmarks/trace_analysis.py DIR` writes a report);
 - `rank{r}_ops.txt`: the profiler's own operator table (key_averages, sorted by self time).
 
 Labelled regions in the trace (record_function, see trainer.py): `data` (fetching batches), `forward`
@@ -67,12 +67,12 @@ class ProfilerCallback(TrainerCallback):
         self.rank = 0
         self.files: list[str] = []
         self._optimizer_region = None
-        # Speed callbacks (TrainingStatsCallback, StepMetricsCallback) skip the profiled steps and the export.
+        # The speed meter (meter.py) skips the profiled steps and the export.
         self.pause = list(pause or [])
 
     def _pause_speed_stats(self) -> None:
         for callback in self.pause:
-            callback._pause()
+            callback.pause()
 
     def _start(self, args, state) -> None:
         self.rank = args.process_index

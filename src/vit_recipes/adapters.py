@@ -1,0 +1,207 @@
+"""What a fine-tuned model leaves behind: the final model saved (LoRA: the adapter, or the merged model) and loaded
+back for evaluation.
+
+`save_final_model` saves the adapter alone (default), or with `--merge_adapter` a merged plain model; either
+reloads with `load_model`. The adapter is checked to hold every LoRA weight when it is saved; under FSDP's
+activation checkpointing peft would save the head alone (ImageClassificationTrainer._save saves through
+`without_activation_wrappers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .arguments import ModelArguments
+from .errors import RecipeError
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, adapter_base, attach_adapter, is_adapter_dir
+from .modeling import FinetuneSetup, build_model
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(path: str | os.PathLike, base_model_name_or_path: str | None = None, **kwargs):
+    """Load what the script saved in `path` for evaluation: a plain (full or merged) model, or the adapter on its base.
+
+    `base_model_name_or_path` overrides the base named in adapter_config.json (e.g. after moving the base folder).
+    """
+    from transformers import AutoModelForImageClassification
+
+    if not is_adapter_dir(path):
+        return AutoModelForImageClassification.from_pretrained(path, **kwargs)
+    config = json.loads((Path(path) / "config.json").read_text())
+    id2label = config.get("id2label") or {}
+    labels = [id2label[k] for k in sorted(id2label, key=int)]
+    base = base_model_name_or_path or adapter_base(path)
+    model, _ = build_model(ModelArguments(model_name_or_path=base, **kwargs), labels)
+    return attach_adapter(model, path, base_source=base).eval()
+
+
+@contextlib.contextmanager
+def without_activation_wrappers(model: nn.Module):
+    """Take torch's activation-checkpoint wrappers out of the module tree for the duration (put back after).
+
+    FSDP's activation checkpointing (accelerate's fsdp2_apply_ac, i.e. --gradient_checkpointing under FSDP) wraps
+    each layer in torch's CheckpointWrapper, whose child `_checkpoint_wrapped_module` shows in module names
+    (`vit.layers.0._checkpoint_wrapped_module.attention.q_proj`) but not in parameter or state-dict names: the
+    wrapper strips it there. peft 0.21.2 picks the adapter's entries out of the state dict by the module names of
+    its LoRA layers (`_get_tuner_state_dict_key_prefixes`, which strips only FSDP1's leading `_fsdp_wrapped_module.`),
+    so under the wrapper no LoRA weight matches and the saved adapter holds the head alone. With the wrappers out,
+    module names are state-dict names again. Nothing runs the model meanwhile: only the module tree changes, the
+    parameters (FSDP2 shards included) and hooks stay as they are.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    swapped = []
+    for parent in list(model.modules()):
+        if isinstance(parent, ActivationWrapper):
+            continue
+        for name, child in list(parent.named_children()):
+            inner = child
+            while isinstance(inner, ActivationWrapper):  # offload_wrapper(checkpoint_wrapper(layer)) nests two
+                inner = inner._checkpoint_wrapped_module
+            if inner is not child:
+                swapped.append((parent, name, child))
+                setattr(parent, name, inner)
+    try:
+        yield model
+    finally:
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
+
+
+def _saved_tensor_names(output_dir: Path) -> list[str] | None:
+    for name in ADAPTER_WEIGHTS:
+        path = output_dir / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as f:
+                    return list(f.keys())
+            return list(torch.load(path, map_location="cpu", weights_only=True))
+    return None
+
+
+def check_saved_adapter(output_dir: str | os.PathLike, model: nn.Module) -> None:
+    """RecipeError unless the adapter saved in output_dir holds as many LoRA weights as `model` has.
+
+    Catches an adapter saved without its LoRA weights (the head alone) when it is written, not when it is loaded.
+    """
+    output_dir = Path(output_dir)
+    saved = _saved_tensor_names(output_dir)
+    if saved is None:
+        raise RecipeError(f"no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}) were saved in {output_dir}")
+    expected = sum(".lora_" in name for name, _ in model.named_parameters())
+    found = sum(".lora_" in name for name in saved)
+    if found != expected:
+        raise RecipeError(
+            f"the adapter saved in {output_dir} holds {found} of the model's {expected} LoRA weights "
+            f"({len(saved)} tensors: {', '.join(sorted(saved)[:4])}{', ...' if len(saved) > 4 else ''}): "
+            "the saved state dict and peft's adapter names disagree"
+        )
+
+
+def check_adapter_strategy(trainer, setup: FinetuneSetup) -> None:
+    """Refuse, before training, a distributed set-up that could not train or save the adapter / frozen backbone."""
+    if setup.method == "full":
+        return
+    what = "LoRA" if setup.method == "lora" else "--freeze_backbone"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        plugin = trainer.accelerator.state.fsdp_plugin
+        version = getattr(plugin, "fsdp_version", 1) or 1
+        if version == 1 and not getattr(plugin, "use_orig_params", False):
+            raise RecipeError(
+                f"{what} under FSDP1 needs fsdp_use_orig_params: true (frozen and trainable weights share flat "
+                "parameters otherwise); better, use FSDP2 (fsdp_version: 2)"
+            )
+        if setup.method == "lora" and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+            raise RecipeError(
+                f"LoRA under FSDP saves the adapter from a full state dict: set fsdp_state_dict_type: "
+                f"FULL_STATE_DICT (got {plugin.state_dict_type})"
+            )
+    if getattr(trainer, "is_deepspeed_enabled", False) and setup.method == "lora":
+        zero = _zero_config(trainer)
+        gather = zero.get("stage3_gather_16bit_weights_on_model_save", False)
+        if str(zero.get("stage")) == "3" and gather in (False, "false", None):
+            raise RecipeError(
+                "LoRA under ZeRO-3 saves the adapter from gathered weights: set "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config"
+            )
+
+
+def _zero_config(trainer) -> dict:
+    return trainer.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}) or {}
+
+
+def drop_zero3_leaf_modules(trainer, setup: FinetuneSetup) -> None:
+    """LoRA under ZeRO-3: fetch parameters per submodule rather than per ZeRO-3 leaf layer.
+
+    ds_configs/zero3*.json gather each ViTLayer as one unit. With LoRA, DeepSpeed 0.19.8 released a leaf layer's
+    parameters before the adapters' gradients were accumulated ("The size of tensor a (0) must match the size of
+    tensor b (16)" in AccumulateGrad, CPU, 2 processes). The DeepSpeed engine is built at the first `train()`, after
+    this, from the plugin's config.
+    """
+    lora_under_deepspeed = setup.method == "lora" and getattr(trainer, "is_deepspeed_enabled", False)
+    if lora_under_deepspeed and _zero_config(trainer).pop("leaf_module", None):
+        logger.info("LoRA under ZeRO-3: leaf_module dropped, parameters are fetched per submodule")
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """Load a model whole on this process even inside a ZeRO-3 run (from_pretrained would partition it)."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def write_base_record(output_dir: str | os.PathLike, setup: FinetuneSetup) -> None:
+    record = {"base_model_name_or_path": setup.base_args.model_name_or_path, "signature": setup.signature}
+    (Path(output_dir) / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def merge_adapter_folder(output_dir: str | os.PathLike, setup: FinetuneSetup) -> None:
+    """Replace the adapter saved in output_dir with the merged plain model (base + LoRA update, head included)."""
+    output_dir = Path(output_dir)
+    with _without_zero3_init():
+        base, _ = build_model(setup.base_args, setup.label_names)
+        merged = attach_adapter(base, output_dir, base_source=setup.base_args.model_name_or_path).merge_and_unload()
+    for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS, BASE_RECORD):
+        (output_dir / name).unlink(missing_ok=True)
+    merged.save_pretrained(output_dir)
+    logger.info("Merged the LoRA adapter into %s: a plain %s", output_dir, type(merged).__name__)
+
+
+def save_final_model(trainer, setup: FinetuneSetup) -> None:
+    """Save the trained model into output_dir: the model, the LoRA adapter (+ its base record), or the merged model.
+
+    Never pushes: trainer.save_model() alone would push at once, before the model card exists (the script pushes
+    once, with the card, at the end). The merge runs on the main process from the saved files, so it works the same
+    after DDP, ZeRO-2/3 (adapter gathered to 16 bits) and FSDP (full state dict).
+    """
+    trainer.save_model(_internal_call=True)
+    if setup.method != "lora":
+        return
+    if trainer.is_world_process_zero():
+        check_saved_adapter(trainer.args.output_dir, trainer.model)
+        write_base_record(trainer.args.output_dir, setup)
+        if setup.merge_adapter:
+            merge_adapter_folder(trainer.args.output_dir, setup)
+    if not setup.merge_adapter:
+        return
+    trainer.accelerator.wait_for_everyone()
+    trainer.keep_saved_model = True  # push_to_hub uploads the merged model instead of saving the adapter again

@@ -1,0 +1,326 @@
+"""Checks that decide whether a run can go ahead, each failing with one `RecipeError` line. They change nothing.
+
+- `check_plan(plan, args)`, as the plan is built (before any data loads): strategy against arguments, device and
+  host memory; the strategy table's refusals; the checkpoint to resume against the strategy.
+- `check_model(strategy, model)`, once the model is built: FSDP2's wrap list must not hold the input embedding
+  (accelerate shards that on its own; torch fails obscurely otherwise), and ZeRO++'s quantized weights need shards
+  DeepSpeed can quantize (the classifier's size depends on the label count).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from pathlib import Path
+
+from .errors import RecipeError
+from .launch import visible_gpus
+
+AUTO = "auto"
+MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
+
+
+def is_true(value) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def config_value(config: dict | None, dotted: str):
+    """`config["a"]["b"]` for "a.b", None where any part is missing."""
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def check_plan(plan, args) -> None:
+    """Reject, in one line each, settings that would fail (or silently do something else) later."""
+    t, strategy = args.training, plan.strategy
+    cpu = plan.device == "cpu"
+    if strategy.deepspeed and strategy.fsdp:
+        raise RecipeError(
+            f"both DeepSpeed ({strategy.deepspeed_source}) and FSDP are configured: pick one (an accelerate FSDP "
+            "config without --deepspeed, or a DeepSpeed config without --fsdp)"
+        )
+    if strategy.fsdp and cpu:
+        raise RecipeError(
+            "FSDP needs GPUs: on the CPU it does not shard (the Trainer falls back to DDP, accelerate starts "
+            "unconnected processes); use accelerate_configs/ddp.yaml or a ds_configs/zero*.json on the CPU"
+        )
+    if plan.precision == "fp16" and cpu:
+        raise RecipeError(
+            "fp16 needs a GPU and this run is on the CPU: drop --fp16 (CPU runs in fp32, or bf16 with --bf16 true)"
+        )
+    gpus = 0 if cpu else visible_gpus()
+    if strategy.world_size == 1 and not strategy.deepspeed and not strategy.fsdp and gpus > 1:
+        raise RecipeError(
+            f"{gpus} GPUs are visible to one process: the Trainer would split each batch over them with "
+            "torch.nn.DataParallel (seen 6x slower than one GPU); launch one process per GPU with "
+            "`accelerate launch --multi_gpu` (or a config from accelerate_configs/), or pick one GPU with "
+            "CUDA_VISIBLE_DEVICES=0"
+        )
+    if plan.precision == "bf16" and plan.device == "cuda" and not gpu_bf16_ok():
+        raise RecipeError("bf16 is not supported by this GPU (it needs Ampere or newer): use --fp16 true instead")
+    _check_table_refusals(plan, args)
+    if strategy.deepspeed:
+        _check_deepspeed(plan, t)
+    if strategy.offload_optimizer or strategy.offload_params:
+        check_host_memory(strategy, args.model)
+    if getattr(t, "fp8", False):
+        check_fp8(cpu)
+    check_resume(strategy, plan.resume_from)
+
+
+def gpu_bf16_ok() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_bf16_supported())
+
+
+def _check_table_refusals(plan, args) -> None:
+    """What the strategy's row in the table refuses (strategies.py)."""
+    spec = plan.strategy.spec
+    asked = {
+        "torch_compile_regions": getattr(args.training, "torch_compile_regions", False),
+        "fp8": getattr(args.training, "fp8", False),
+        "lora": args.lora.use_peft,
+    }
+    for feature, on in asked.items():
+        if on and not spec.supports(feature):
+            source = plan.strategy.deepspeed_source
+            raise RecipeError(f"{source}: {spec.refusals[feature]}" if source else spec.refusals[feature])
+
+
+def deepspeed_conflicts(config: dict, training_args, global_batch: int, world_size: int) -> list[str]:
+    """Fixed (non-"auto") DeepSpeed values that disagree with the arguments, as 'key=value vs --flag value'."""
+    t = training_args
+    checks = [
+        ("train_micro_batch_size_per_gpu", t.per_device_train_batch_size, "--per_device_train_batch_size"),
+        ("gradient_accumulation_steps", t.gradient_accumulation_steps, "--gradient_accumulation_steps"),
+        (
+            "train_batch_size",
+            global_batch,
+            f"the global batch (per-device {t.per_device_train_batch_size} x accumulation "
+            f"{t.gradient_accumulation_steps} x {world_size} processes) =",
+        ),
+        ("gradient_clipping", t.max_grad_norm, "--max_grad_norm"),
+        ("optimizer.params.lr", t.learning_rate, "--learning_rate"),
+        ("optimizer.params.betas", [t.adam_beta1, t.adam_beta2], "--adam_beta1/--adam_beta2"),
+        ("optimizer.params.eps", t.adam_epsilon, "--adam_epsilon"),
+        ("optimizer.params.weight_decay", t.weight_decay, "--weight_decay"),
+        ("scheduler.params.warmup_max_lr", t.learning_rate, "--learning_rate"),
+        ("fp16.enabled", bool(t.fp16), "--fp16"),
+        ("bf16.enabled", bool(t.bf16), "--bf16"),
+    ]
+    out = []
+    for key, value, flag in checks:
+        fixed = config_value(config, key)
+        if fixed is None or fixed == AUTO:
+            continue
+        if not _same(fixed, value):
+            shown = str(value).lower() if isinstance(value, bool) else value
+            out.append(f"{key}={json.dumps(fixed)} vs {flag} {shown}")
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return is_true(a) == is_true(b)
+    try:
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+    except (TypeError, ValueError):
+        return a == b
+
+
+def _check_deepspeed(plan, t) -> None:
+    strategy = plan.strategy
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise RecipeError(
+            "DeepSpeed is not installed: pip install 'vit-recipes[deepspeed]' (on a CPU-only machine: "
+            "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)"
+        ) from None
+    name = strategy.deepspeed_source
+    if strategy.from_accelerate and is_true(os.environ.get("ACCELERATE_USE_CPU")):
+        raise RecipeError(
+            "DeepSpeed cannot run with accelerate's use_cpu/--cpu (accelerate then skips DeepSpeed's setup): "
+            "keep use_cpu: false in the accelerate config and pass --use_cpu true to the script instead"
+        )
+    if strategy.from_accelerate and plan.precision in ("fp16", "bf16") and not (t.fp16 or t.bf16):
+        raise RecipeError(
+            f"accelerate --mixed_precision {plan.precision} without --{plan.precision} true: under DeepSpeed the "
+            f"Trainer would stop at its first step (bf16/fp16 mismatch); pass --{plan.precision} true to the script "
+            "instead"
+        )
+    conflicts = deepspeed_conflicts(strategy.deepspeed_config, t, plan.global_batch, strategy.world_size)
+    if conflicts:
+        raise RecipeError(
+            f'{name} conflicts with the arguments: {"; ".join(conflicts)}. Set these to "auto" in the JSON '
+            "so the arguments decide, or change the arguments to match"
+        )
+    hpz = config_value(strategy.deepspeed_config, "zero_optimization.zero_hpz_partition_size")
+    if isinstance(hpz, int) and hpz > 1 and strategy.world_size % hpz:
+        raise RecipeError(
+            f"{name}: zero_hpz_partition_size {hpz} does not divide the {strategy.world_size} processes: set it to "
+            "the number of GPUs per node"
+        )
+
+
+def check_host_memory(strategy, model_args) -> None:
+    """Offloading keeps optimizer states (and maybe parameters) in host RAM: refuse when it cannot fit."""
+    import psutil
+
+    from .advise import host_memory_for, model_shape_from_args
+
+    shape = model_shape_from_args(model_args)
+    if shape is None:  # no config to read yet (e.g. an uncached Hub id): build_model reports that
+        return
+    needed = host_memory_for(strategy, shape)
+    available = psutil.virtual_memory().available
+    if needed > available:
+        raise RecipeError(
+            f"{strategy.spec.label} offload needs about {needed / 2**30:.1f} GiB of host memory on this node for "
+            f"{shape.params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a "
+            "configuration without offload, more nodes, or a machine with more memory "
+            "(python -m vit_recipes.advise shows the options)"
+        )
+
+
+def torchao_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+def check_fp8(on_cpu: bool) -> None:
+    """--fp8 needs torchao, and on a GPU FP8 tensor cores (the strategy table refuses sharded strategies)."""
+    import torch
+
+    if not torchao_installed():
+        raise RecipeError("--fp8 needs torchao: pip install 'vit-recipes[fp8]' (or pip install torchao)")
+    if not on_cpu and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_FP8_CAPABILITY:
+            raise RecipeError(
+                f"--fp8 needs FP8 tensor cores (compute capability 8.9+, e.g. H100, H200, L40S); this GPU is "
+                f"{capability[0]}.{capability[1]}: drop --fp8"
+            )
+
+
+# ------------------------------------------------------------------------------------------------- resume
+
+_OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def deepspeed_checkpoint_world_size(checkpoint: str | os.PathLike) -> int | None:
+    """Data-parallel world size a DeepSpeed checkpoint was written with (one optimizer shard per rank)."""
+    folder = Path(checkpoint)
+    tag_file = folder / "latest"
+    tags = [tag_file.read_text().strip()] if tag_file.is_file() else []
+    tags += [p.name for p in sorted(folder.glob("global_step*")) if p.is_dir()]
+    for tag in tags:
+        ranks = {int(m.group(1)) for f in glob.glob(str(folder / tag / "*")) if (m := _OPTIM_FILE.search(f))}
+        if ranks:
+            return max(ranks) + 1
+    return None
+
+
+def check_resume(strategy, checkpoint: str | None) -> None:
+    """A DeepSpeed checkpoint resumes only under DeepSpeed and with the world size that wrote it."""
+    if not checkpoint:
+        return
+    saved = deepspeed_checkpoint_world_size(checkpoint)
+    if saved is not None and not strategy.deepspeed:
+        raise RecipeError(
+            f"{checkpoint} is a DeepSpeed checkpoint ({saved} processes): resume it with the same DeepSpeed "
+            "config and process count, or start a fresh run in another --output_dir"
+        )
+    if saved is None and strategy.deepspeed and (Path(checkpoint) / "trainer_state.json").is_file():
+        raise RecipeError(
+            f"{checkpoint} was not written by DeepSpeed: resume it with the strategy that wrote it, or start a "
+            "fresh run in another --output_dir"
+        )
+    if saved is not None and saved != strategy.world_size:
+        raise RecipeError(
+            f"{checkpoint} was written by {saved} DeepSpeed processes and this run has {strategy.world_size}: ZeRO "
+            f"shards cannot be re-split on resume. Launch {saved} processes, or convert it first with "
+            f"`python {checkpoint}/zero_to_fp32.py` and fine-tune from the result in a new --output_dir"
+        )
+
+
+# ------------------------------------------------------------------------------------------- the built model
+
+
+def check_model(strategy, model) -> None:
+    """The checks that need the built model: FSDP2's wrap list, ZeRO++'s quantized weights."""
+    check_fsdp_wrap(strategy, model)
+    check_quantized_weights(strategy, model)
+
+
+def check_fsdp_wrap(strategy, model) -> None:
+    """FSDP2: refuse a wrap list that contains the input embedding's parent (e.g. ViTEmbeddings).
+
+    accelerate shards `get_input_embeddings()` as a unit of its own after the wrap pass; if a wrapped class already
+    holds it, its parameters are DTensors by then and torch fails deep inside fully_shard with "Invariant encountered:
+    value was None" (seen with torch 2.11 and 2.13, accelerate 1.15, on ViT whose _no_split_modules names
+    ViTEmbeddings). accelerate_configs/fsdp*.yaml therefore name the ViT layer class alone.
+    """
+    if not strategy.fsdp:
+        return
+    named = strategy.fsdp_wrap is not None
+    names = list(strategy.fsdp_wrap) if named else list(getattr(model, "_no_split_modules", None) or [])
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    if embed is None:
+        return
+    holders = {
+        type(module).__name__
+        for module in model.modules()
+        if module is not model and any(child is embed for child in module.modules())
+    }
+    clash = sorted(holders.intersection(names))
+    if clash:
+        keep = [n for n in names if n not in holders]
+        where = "the FSDP wrap list" if named else f"{type(model).__name__}._no_split_modules (accelerate's default)"
+        raise RecipeError(
+            f"FSDP2 cannot wrap {', '.join(clash)} from {where}: it holds the input embedding that accelerate "
+            f"shards on its own; wrap {','.join(keep) or 'the transformer layer class'} only "
+            f"(fsdp_transformer_layer_cls_to_wrap in the accelerate config, as in accelerate_configs/fsdp.yaml)"
+        )
+
+
+def check_quantized_weights(strategy, model) -> None:
+    """ZeRO++ quantized weights (qwZ): refuse a model whose parameter shards DeepSpeed cannot quantize.
+
+    qwZ quantizes, per gathered module, the concatenation of its parameters' shards in groups of 8 values and
+    asserts at the first forward that the count divides by 8 (seen on 4 H200s: the 100-label head's
+    768 x 100 + 100 values split into 19,225 per GPU). The backbone's sizes are multiples of 64; the head's
+    depend on the label count, so this is the check a user's dataset can trip. A ZeRO-3 leaf module is gathered
+    as one unit with its children.
+    """
+    if not is_true(config_value(strategy.deepspeed_config, "zero_optimization.zero_quantized_weights")):
+        return
+    world = strategy.world_size
+    leaf_classes = set(config_value(strategy.deepspeed_config, "zero_optimization.leaf_module.classes") or [])
+    inside_leaf: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside_leaf:
+            continue
+        leaf = type(module).__name__ in leaf_classes
+        if leaf:
+            inside_leaf.update(id(m) for m in module.modules())
+        params = list(module.parameters(recurse=leaf))
+        shard = sum(-(-getattr(q, "ds_numel", q.numel()) // world) for q in params)
+        if shard % 8:
+            full = sum(getattr(q, "ds_numel", q.numel()) for q in params)
+            raise RecipeError(
+                f"{strategy.deepspeed_source}: ZeRO++ quantized weights need each gathered shard to hold a multiple "
+                f"of 8 values, but {name or type(model).__name__}'s {full:,} parameters split into {shard:,} per "
+                f"process over {world}: set zero_quantized_weights to false (hierarchical partitioning and "
+                "quantized gradients still apply), or use a label count that divides evenly"
+            )

@@ -1,0 +1,93 @@
+"""The process around a run: how many processes were launched, DeepSpeed's CPU buffers, and a clean shutdown."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import glob
+import os
+
+from .errors import RecipeError
+
+SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"  # DeepSpeed's shm comm op (csrc/cpu/comm/shm.cpp)
+
+
+def env_int(*names: str, default: int = 1) -> int:
+    """The first of these environment variables that holds a whole number (launchers set them), else `default`."""
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return default
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_processes(use_cpu: bool) -> None:
+    """Process count against GPUs, from the launcher's environment alone (before the process group starts)."""
+    world = env_int("WORLD_SIZE")
+    local = env_int("LOCAL_WORLD_SIZE", default=world)
+    if world <= 1 or use_cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return
+    gpus = visible_gpus()
+    if gpus == 0:
+        raise RecipeError(
+            f"{world} processes were launched but this machine has no GPU: each would train alone on the CPU. "
+            "Pass --use_cpu true to train on CPU processes (gloo), or launch on a machine with GPUs"
+        )
+    if local > gpus:
+        raise RecipeError(
+            f"{local} processes on this machine but only {gpus} GPU(s) visible: launch at most {gpus} "
+            f"(--num_processes {gpus} with accelerate, --num_gpus {gpus} with deepspeed)"
+        )
+
+
+def remove_shm_buffer_at_exit() -> None:
+    """Have this rank delete DeepSpeed's CPU all-reduce buffer when the process exits.
+
+    DeepSpeed's shared-memory all-reduce (the shm comm op `make install` builds for CPU runs) creates one 69 MB file
+    per rank, `/dev/shm/deepspeed_allreduce_buffer_<n>_<addr>_<port>_<rank>`, and never unlinks it: each CPU
+    DeepSpeed run left 138 MB behind until reboot. Unlinking at exit is safe: ranks that mapped the buffer keep
+    their mapping.
+    """
+    rank, port = os.environ.get("RANK"), os.environ.get("MASTER_PORT")
+    if rank is None or port is None:
+        return
+    pattern = f"{SHM_BUFFER_PREFIX}*_{port}_{rank}"
+
+    def remove() -> None:
+        for path in glob.glob(pattern):
+            with contextlib.suppress(OSError):  # already gone, or another user's file: nothing to do
+                os.unlink(path)
+
+    atexit.register(remove)
+
+
+def bind_deepspeed_comm() -> None:
+    """Let DeepSpeed use the process group the arguments started (gloo with --use_cpu).
+
+    On GPUs accelerate starts DeepSpeed's communication itself. On CPU processes it starts plain torch.distributed,
+    and ZeRO-3's deepspeed.zero.Init (used while the model loads, before the Trainer initialises DeepSpeed) would
+    then count a world size of 1 and fail its batch-size check.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    import deepspeed.comm
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
+def shutdown() -> None:
+    """Tear the process group down once every rank is done (torch asks for it; NCCL may hang at exit without it)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,159 @@
+"""One meter for training speed and memory: per-log figures for every tracker, steady-state figures for the run.
+
+`SpeedMeter` times the wall clock between optimizer steps and the part the loop spent waiting for data
+(ImageClassificationTrainer.get_batch_samples reports it through `add_data_wait`). Intervals that span evaluation,
+saving, an epoch start or a profiler export are dropped. From the same intervals it reports:
+
+- `extend_logs`, per training log (TensorBoard shows them as train/<key>): images_per_second (all ranks together),
+  step_time_s, data_wait_fraction, mfu (when the GPU's peak is known), and per rank r: gpu_mem_allocated_gib_rank{r},
+  gpu_mem_reserved_gib_rank{r}, gpu_mem_peak_gib_rank{r} on GPUs, cpu_peak_rss_gib_rank{r} on CPUs;
+- `metrics`, at the end of the run (all_results.json), over the steps after warm-up: train_images_per_second,
+  train_step_time_s, train_time_20_steps_s, train_data_wait_fraction, train_mfu, and on GPUs
+  train_peak_allocated_gib / train_peak_reserved_gib.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import TrainerCallback
+
+GIB = 2**30
+
+
+@dataclass
+class _Totals:
+    steps: int = 0
+    seconds: float = 0.0
+    data_seconds: float = 0.0
+
+
+def _peak_rss_gib() -> float | None:
+    try:
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError):
+        return None
+
+
+def _gather_per_rank(values: list[float], device) -> list[list[float]]:
+    """All ranks' `values` (rank order). Every rank must call this at the same point (it is a collective)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [values]
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [t.tolist() for t in gathered]
+
+
+class SpeedMeter(TrainerCallback):
+    """Speed and memory of training steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        images_per_step: int,
+        flops_per_image: float | None = None,
+        peak_flops: float | None = None,
+        warmup_steps: int = 5,
+    ):
+        self.images_per_step = images_per_step  # the plan's global batch
+        self.flops_per_image = flops_per_image
+        self.peak_flops = peak_flops  # of all GPUs together
+        self.warmup_steps = warmup_steps  # left out of the run's figures (compilation, allocator warm-up)
+        self.window = _Totals()  # since the previous log
+        self.run = _Totals()  # after warm-up
+        self._pending_data = 0.0
+        self._last: float | None = None
+
+    def add_data_wait(self, seconds: float) -> None:
+        self._pending_data += seconds
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last, self._pending_data = time.perf_counter(), 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        if self._last is not None:
+            interval = (now - self._last, self._pending_data)
+            totals = [self.window]
+            if getattr(state, "global_step", 0) > self.warmup_steps:
+                totals.append(self.run)
+            for t in totals:
+                t.steps += 1
+                t.seconds += interval[0]
+                t.data_seconds += interval[1]
+        self._pending_data = 0.0
+        self._last = now
+
+    def pause(self, *args, **kwargs) -> None:
+        self._last = None  # the next interval would include evaluation, saving or a profiler export
+
+    on_evaluate = on_save = on_epoch_begin = pause
+
+    def _figures(self, totals: _Totals) -> dict[str, float]:
+        if not totals.steps or totals.seconds <= 0:
+            return {}
+        step = totals.seconds / totals.steps
+        out = {
+            "images_per_second": self.images_per_step / step,
+            "step_time_s": step,
+            "data_wait_fraction": totals.data_seconds / totals.seconds,
+        }
+        if self.flops_per_image and self.peak_flops:
+            out["mfu"] = out["images_per_second"] * self.flops_per_image / self.peak_flops
+        return out
+
+    @property
+    def images_per_second(self) -> float | None:
+        """Steady-state training speed of the run so far (None before the first step after warm-up)."""
+        return self._figures(self.run).get("images_per_second")
+
+    def memory(self, device) -> dict[str, float]:
+        """Memory of every rank (a collective on multi-process runs)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            names = ("gpu_mem_allocated_gib", "gpu_mem_reserved_gib", "gpu_mem_peak_gib")
+            local = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()]
+            local = [v / GIB for v in local]
+        else:
+            rss = _peak_rss_gib()
+            if rss is None:
+                return {}
+            names, local = ("cpu_peak_rss_gib",), [rss]
+        out = {}
+        for rank, values in enumerate(_gather_per_rank(local, device)):
+            out.update({f"{name}_rank{rank}": round(value, 4) for name, value in zip(names, values)})
+        return out
+
+    def extend_logs(self, logs: dict, args, state) -> dict[str, float]:
+        """Figures of the steps since the previous log; called by ImageClassificationTrainer.log on every rank."""
+        if "loss" not in logs or "learning_rate" not in logs:  # only training-step logs
+            return {}
+        digits = {"images_per_second": 3, "step_time_s": 6, "data_wait_fraction": 5, "mfu": 5}
+        out = {k: round(v, digits[k]) for k, v in self._figures(self.window).items()}
+        self.window = _Totals()
+        out.update(self.memory(args.device))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """The run's steady-state figures, for the train metrics."""
+        figures = self._figures(self.run)
+        out = {}
+        if figures:
+            out = {
+                "train_images_per_second": round(figures["images_per_second"], 2),
+                "train_step_time_s": round(figures["step_time_s"], 5),
+                "train_time_20_steps_s": round(20 * figures["step_time_s"], 3),
+                "train_data_wait_fraction": round(figures["data_wait_fraction"], 5),
+            }
+            if "mfu" in figures:
+                out["train_mfu"] = round(figures["mfu"], 4)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["train_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            out["train_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+        return out

@@ -1,0 +1,258 @@
+"""The run plan: everything derived from the arguments and the launch, worked out once before any data is loaded.
+
+`build_plan(args)` reads the arguments and what the launcher put in the environment, decides the strategy (a row
+of strategies.py), precision, global batch, device and what to do with the output directory, and refuses (one
+`RecipeError` line, checks.py) anything that could only fail later. `configure(plan, args)` then makes the few
+changes the plan implies to settings other libraries read. Everything downstream reads the plan; nothing
+re-derives these facts.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import strategies
+from .arguments import RunArguments, run_config
+from .checks import check_plan, config_value, is_true
+from .errors import RecipeError
+from .launch import bind_deepspeed_comm, env_int
+from .run_dir import OutputState, resolve_output_dir
+from .strategies import StrategySpec
+
+logger = logging.getLogger(__name__)
+
+
+def load_deepspeed_config(value) -> tuple[dict, str]:
+    """A DeepSpeed config given as a dict, a JSON file, a JSON string or base64 JSON, and a name for messages."""
+    if isinstance(value, dict):
+        return value, "the DeepSpeed config"
+    text = str(value)
+    path = Path(text)
+    try:
+        if path.is_file():
+            return json.loads(path.read_text()), str(value)
+        if text.lstrip().startswith("{"):
+            return json.loads(text), "the DeepSpeed config"
+        if text.endswith(".json"):
+            raise RecipeError(f"DeepSpeed config file not found: {text} (paths are relative to where you launch)")
+        return json.loads(base64.urlsafe_b64decode(text).decode()), "the DeepSpeed config"
+    except (ValueError, UnicodeDecodeError) as err:
+        raise RecipeError(f"{text} is not valid DeepSpeed JSON: {str(err).splitlines()[0]}") from None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How the run is spread over processes: its row in the strategy table and the settings behind it."""
+
+    spec: StrategySpec
+    """The table row (name, configs, what is sharded, what is supported)."""
+    world_size: int
+    """Processes in the run, over all machines."""
+    processes_per_node: int
+    """Processes on this machine."""
+    deepspeed_config: dict | None
+    """The DeepSpeed config as written (its "auto" values included), parsed once; None without DeepSpeed."""
+    deepspeed_source: str | None
+    """Where that config came from, for messages: a file name, or "the accelerate config"."""
+    from_accelerate: bool
+    """DeepSpeed/FSDP was configured by `accelerate launch` (environment) rather than by the arguments."""
+    fsdp: bool
+    """FSDP is configured (by the arguments or by accelerate)."""
+    fsdp_activation_checkpointing: bool
+    """FSDP checkpoints the activations of each wrapped layer (asked for, or --gradient_checkpointing under FSDP)."""
+    fsdp_wrap: tuple[str, ...] | None
+    """Layer classes named for FSDP to wrap (None: accelerate's default, the model's _no_split_modules)."""
+    offload_optimizer: bool
+    """Optimizer states live in host memory."""
+    offload_params: bool
+    """Parameters live in host memory."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self.spec.zero_stage
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.deepspeed_config is not None
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.processes_per_node))
+
+
+def read_strategy(training_args) -> Strategy:
+    """The strategy a run asks for, from the arguments and what `accelerate launch` put in the environment."""
+    env = os.environ
+    world = max(1, int(getattr(training_args, "world_size", 1) or 1))
+    deepspeed, source, from_accelerate = None, None, False
+    if getattr(training_args, "deepspeed", None):
+        deepspeed, source = load_deepspeed_config(training_args.deepspeed)
+    elif is_true(env.get("ACCELERATE_USE_DEEPSPEED")):
+        from_accelerate = True
+        file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if file and file.lower() != "none":
+            deepspeed, source = load_deepspeed_config(file)
+        else:  # an accelerate YAML with inline deepspeed_config fields
+            stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+            deepspeed = {
+                "zero_optimization": {
+                    "stage": int(stage) if stage.isdigit() else None,
+                    "offload_optimizer": {"device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")},
+                    "offload_param": {"device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")},
+                }
+            }
+            source = "the accelerate config"
+    fsdp_config = getattr(training_args, "fsdp_config", None) or {}
+    fsdp_args = bool(getattr(training_args, "fsdp", None))
+    fsdp_env = is_true(env.get("ACCELERATE_USE_FSDP"))
+    from_accelerate = from_accelerate or (fsdp_env and not fsdp_args)
+    fsdp = fsdp_args or fsdp_env
+    if deepspeed is not None:
+
+        def off(key):
+            return str(config_value(deepspeed, f"zero_optimization.{key}.device") or "none").lower() in ("cpu", "nvme")
+
+        offload_optimizer, offload_params = off("offload_optimizer"), off("offload_param")
+    else:
+        offload_optimizer = offload_params = fsdp and (
+            is_true(fsdp_config.get("cpu_offload", False)) or (fsdp_env and is_true(env.get("FSDP_OFFLOAD_PARAMS")))
+        )
+    wrap = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") if fsdp_env else None
+    wrap = wrap or fsdp_config.get("transformer_layer_cls_to_wrap")
+    if isinstance(wrap, str):
+        wrap = wrap.split(",")
+    try:
+        stage = int(config_value(deepspeed, "zero_optimization.stage"))
+    except (TypeError, ValueError):
+        stage = None if deepspeed is None else 0
+    zeropp = (
+        any(
+            is_true(config_value(deepspeed, f"zero_optimization.{key}"))
+            for key in ("zero_quantized_weights", "zero_quantized_gradients")
+        )
+        or (config_value(deepspeed, "zero_optimization.zero_hpz_partition_size") or 1) > 1
+    )
+    spec = strategies.identify(stage, fsdp, offload_optimizer, zeropp, world)
+    return Strategy(
+        spec=spec,
+        world_size=world,
+        processes_per_node=env_int("LOCAL_WORLD_SIZE", default=world),
+        deepspeed_config=deepspeed,
+        deepspeed_source=source,
+        from_accelerate=from_accelerate,
+        fsdp=fsdp,
+        fsdp_activation_checkpointing=fsdp
+        and (
+            is_true(fsdp_config.get("activation_checkpointing", False))
+            or (fsdp_env and is_true(env.get("FSDP_ACTIVATION_CHECKPOINTING")))
+            or bool(getattr(training_args, "gradient_checkpointing", False))
+        ),
+        fsdp_wrap=tuple(n.strip() for n in wrap if n.strip()) if wrap else None,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+    )
+
+
+def device_kind(training_args) -> str:
+    """ "cuda", "mps", "xpu" or "cpu": where this run trains (asked for, or the accelerator there is)."""
+    import torch
+
+    if training_args.use_cpu or is_true(os.environ.get("ACCELERATE_USE_CPU")):
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return "cpu"
+
+
+def precision_of(training_args) -> str:
+    """ "bf16", "fp16" or "fp32": the flags, else the mixed precision accelerate was launched with."""
+    if training_args.fp16:
+        return "fp16"
+    if training_args.bf16:
+        return "bf16"
+    launched = str(getattr(training_args, "mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION", ""))
+    return launched.lower() if launched.lower() in ("bf16", "fp16") else "fp32"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run is, derived once from its arguments and launch environment."""
+
+    strategy: Strategy
+    """Strategy, world size, ZeRO stage, what is sharded and offloaded."""
+    precision: str
+    """"bf16", "fp16" or "fp32"."""
+    device: str
+    """"cuda", "mps", "xpu" or "cpu"."""
+    global_batch: int
+    """Images per optimizer step over all processes: per-device batch x accumulation x world size."""
+    output: OutputState
+    """What the output directory holds: a fresh start, a run to resume (and from which checkpoint), or an
+    overwrite."""
+    identity: dict[str, Any]
+    """The settings that make this run this run (run_config.json): another run's output_dir is refused."""
+
+    @property
+    def resume_from(self) -> str | None:
+        return self.output.resume_from
+
+
+def build_plan(args: RunArguments) -> RunPlan:
+    """Derive the plan from parsed arguments and refuse, in one line, anything that could only fail later."""
+    t = args.training
+    strategy = read_strategy(t)
+    identity = run_config(args)
+    plan = RunPlan(
+        strategy=strategy,
+        precision=precision_of(t),
+        device=device_kind(t),
+        global_batch=t.per_device_train_batch_size * t.gradient_accumulation_steps * strategy.world_size,
+        output=resolve_output_dir(t, identity),
+        identity=identity,
+    )
+    check_plan(plan, args)
+    logger.info(
+        "Plan: %s on %d process(es) (sharded: %s), %s on %s, global batch %d, output dir %s%s",
+        strategy.spec.label,
+        strategy.world_size,
+        strategy.spec.shards,
+        plan.precision,
+        plan.device,
+        plan.global_batch,
+        plan.output.state,
+        f" from {plan.resume_from}" if plan.resume_from else "",
+    )
+    return plan
+
+
+def configure(plan: RunPlan, args: RunArguments) -> None:
+    """Apply what the plan decided to the settings accelerate, the Trainer and DeepSpeed read later."""
+    t, strategy = args.training, plan.strategy
+    if strategy.fsdp and t.gradient_checkpointing:
+        # The Trainer refuses its own checkpointing together with FSDP's, and FSDP's composes with resharding: a
+        # recipe asking for checkpointing gets FSDP's, per wrapped layer. The FSDP plugin is built later, by the
+        # Trainer, from the environment (accelerate launch) or from `fsdp_plugin_args` (--fsdp).
+        if strategy.from_accelerate:
+            os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
+        elif isinstance(getattr(t, "fsdp_plugin_args", None), dict):
+            t.fsdp_plugin_args["activation_checkpointing"] = True
+        logger.info("Gradient checkpointing runs as FSDP activation checkpointing (the model's own is switched off)")
+        t.gradient_checkpointing = False
+        if hasattr(t, "activation_checkpointing"):
+            t.activation_checkpointing = False
+    if strategy.deepspeed:
+        bind_deepspeed_comm()

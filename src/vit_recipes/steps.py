@@ -1,0 +1,213 @@
+"""The steps of run_image_classification.py that take more than one call: logging, building the Trainer, training,
+evaluating, and what a run writes next to its model (labels, reports, predictions, card, summary)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+import transformers
+
+from .adapters import check_adapter_strategy, drop_zero3_leaf_modules, save_final_model
+from .arguments import RunArguments
+from .card import card_info, write_model_card
+from .data import ImageSplits, PixelCollator, decode_split, load_image_folder, write_skipped
+from .errors import RecipeError
+from .flops import peak_flops, training_flops_per_image
+from .hub import hub_error_message
+from .meter import SpeedMeter
+from .metrics import make_compute_metrics
+from .modeling import FinetuneSetup, evaluation_processor
+from .observability import attach as attach_observability
+from .plan import RunPlan
+from .plots import write_plots
+from .rank_report import attach_rank_report
+from .reports import write_reports
+from .run_dir import record_run
+from .trainer import ImageClassificationTrainer
+from .transforms import build_mixup, build_transforms
+
+logger = logging.getLogger("run_image_classification")
+
+
+def setup_logging(training_args) -> None:
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+        force=True,
+    )
+    level = training_args.get_process_log_level()
+    logging.getLogger().setLevel(level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+    transformers.utils.logging.enable_explicit_format()
+    logger.info(
+        "Process rank %d of %d, device %s", training_args.process_index, training_args.world_size, training_args.device
+    )
+
+
+def log_splits(data_args, splits: ImageSplits) -> None:
+    logger.info(
+        "Dataset %s: %d classes (%s); %s",
+        data_args.dataset_name,
+        len(splits.label_names),
+        splits.label_source,
+        ", ".join(f"{n} {len(d)}" for n, d in splits.present().items()),
+    )
+
+
+def _meter(plan: RunPlan, model, training_args, method: str) -> SpeedMeter:
+    """The speed meter, with MFU where the GPU's peak rate is known."""
+    peak = peak_flops(torch.cuda.get_device_name(), plan.precision) if plan.device == "cuda" else None
+    flops = None
+    if peak:
+        try:
+            flops = training_flops_per_image(model.config, training_args.gradient_checkpointing, method)
+        except Exception as err:  # noqa: BLE001 - a model the meta-device count cannot run: no MFU, say why
+            logger.info("No MFU: counting this model's FLOPs failed (%s)", str(err).splitlines()[0][:200])
+    return SpeedMeter(plan.global_batch, flops, peak * plan.strategy.world_size if peak else None)
+
+
+def build_trainer(
+    args: RunArguments, plan: RunPlan, model, splits: ImageSplits, finetune: FinetuneSetup, image_size: int, mean, std
+) -> tuple[ImageClassificationTrainer, SpeedMeter]:
+    """The Trainer with device transforms, metrics, the speed meter, trackers and the profiler window."""
+    training = args.training
+    train_transform, eval_transform = build_transforms(args.augment, image_size, mean, std)
+    try:
+        trainer = ImageClassificationTrainer(
+            model=model,
+            args=training,
+            train_dataset=splits.train,
+            eval_dataset=splits.validation,
+            data_collator=PixelCollator(splits.storage_shape),
+            compute_metrics=make_compute_metrics(),
+            train_transform=train_transform,
+            eval_transform=eval_transform,
+            mixup=build_mixup(args.augment, len(splits.label_names), training.label_smoothing_factor),
+        )
+    except Exception as err:
+        if training.push_to_hub:  # the Trainer creates the Hub repository up front
+            raise RecipeError(hub_error_message(err, "create the model repository")) from None
+        raise
+    check_adapter_strategy(trainer, finetune)  # LoRA under FSDP/ZeRO-3: set-ups that could not save the adapter
+    drop_zero3_leaf_modules(trainer, finetune)
+    attach_rank_report(trainer, plan.precision)  # VIT_RECIPES_DEBUG_RANK_REPORT=1: each rank reports what it ran
+    meter = _meter(plan, model, training, finetune.method)
+    attach_observability(trainer, args.observe, meter)
+    return trainer, meter
+
+
+def train(
+    trainer, plan: RunPlan, splits: ImageSplits, finetune: FinetuneSetup, meter: SpeedMeter, decode_seconds: float
+) -> dict:
+    """Train (resuming the plan's checkpoint), save the final model, and return the train metrics."""
+    output_dir = trainer.args.output_dir
+    if trainer.is_world_process_zero():
+        record_run(output_dir, plan.identity)
+        write_skipped(splits, output_dir)
+    train_result = trainer.train(resume_from_checkpoint=plan.resume_from)
+    # Under DeepSpeed/FSDP this gathers a plain, loadable model; LoRA: the adapter, or the merged model.
+    save_final_model(trainer, finetune)
+    metrics = {**train_result.metrics, **meter.metrics(), **finetune.metrics}  # + trainable/total parameters
+    metrics["data_decode_seconds"] = round(decode_seconds, 3)  # first run: decoding; later runs: the disk cache
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    return metrics
+
+
+def save_model_files(trainer, args: RunArguments, splits: ImageSplits, image_size: int, mean, std) -> None:
+    """Image processor (the evaluation preprocessing, for pipeline()), config and label names next to the model."""
+    if not trainer.is_world_process_zero():
+        return
+    output_dir = trainer.args.output_dir
+    evaluation_processor(image_size, args.augment.eval_crop_pct, mean, std).save_pretrained(output_dir)
+    trainer.model.config.save_pretrained(output_dir)
+    labels = {"names": splits.label_names, "source": splits.label_source, "storage_shape": list(splits.storage_shape)}
+    Path(output_dir, "labels.json").write_text(json.dumps(labels, indent=2))
+
+
+def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
+    """Metrics on validation, then once on test; and (split name, predictions) of the last one, for the reports."""
+    results, last = {}, None
+    for name, split in (("eval", splits.validation), ("test", splits.test)):
+        if split is None:
+            continue
+        output = trainer.predict(split, metric_key_prefix=name)
+        trainer.log_metrics(name, output.metrics)
+        trainer.save_metrics(name, output.metrics)
+        results.update(output.metrics)
+        last = ("test" if name == "test" else "validation", output)
+    return results, last
+
+
+def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, plots: bool) -> dict:
+    """Confusion matrix and per-class accuracy of the last evaluated split; loss/lr/metric/throughput plots."""
+    reports = {}
+    if not trainer.is_world_process_zero():
+        return reports
+    output_dir = trainer.args.output_dir
+    if predictions:
+        split, output = predictions
+        logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+        reports = write_reports(logits, output.label_ids, splits.label_names, output_dir, split=split)
+    if plots:
+        write_plots(trainer.state.log_history, output_dir)
+    return reports
+
+
+def predict_folder(trainer, data_args, splits: ImageSplits) -> None:
+    """Classify a folder of images into predictions.csv (unreadable files are listed, not dropped)."""
+    images = load_image_folder(data_args.predict_images)
+    decoded, skipped = decode_split(
+        images, "image", splits.storage_shape, data_args.preprocessing_num_workers, "predict"
+    )
+    logits = trainer.predict(decoded.remove_columns("file")).predictions
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    if not trainer.is_world_process_zero():
+        return
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probabilities = shifted / shifted.sum(axis=1, keepdims=True)
+    path = os.path.join(trainer.args.output_dir, "predictions.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["file", "label", "score"])
+        for file, row in zip(decoded["file"], probabilities):
+            writer.writerow([file, splits.label_names[int(row.argmax())], f"{row.max():.6f}"])
+        for index in skipped:  # unreadable files stay visible in the output
+            writer.writerow([images[index]["file"], "", "unreadable"])
+    logger.info("Wrote %d predictions to %s", len(decoded) + len(skipped), path)
+
+
+def publish(trainer, args: RunArguments, plan: RunPlan, argv, splits, results, reports, finetune, meter) -> None:
+    """Write the model card (always, locally), then push with it when asked."""
+    trainer.card = card_info(args, plan, argv, splits, results, reports, finetune, meter.images_per_second)
+    if trainer.is_world_process_zero():
+        write_model_card(trainer.card, trainer.args.output_dir)
+    if args.training.push_to_hub:
+        try:
+            trainer.push_to_hub(finetuned_from=args.model.model_name_or_path)
+        except Exception as err:
+            raise RecipeError(hub_error_message(err, "push the model", trainer.args.output_dir)) from None
+
+
+def summary(results: dict, output_dir: str, reports: dict) -> None:
+    lines = [f"{k}: {v:.4f}" for k, v in results.items() if k.endswith("accuracy")]
+    phases = {k[5:-2]: v for k, v in results.items() if k.startswith("time_") and k != "time_total_s"}
+    if phases:  # where the wall time went (time_<phase>_s in all_results.json)
+        lines.append("wall time: " + ", ".join(f"{p} {v:.1f}s" for p, v in phases.items() if v >= 0.05))
+    rule = "=" * 60
+    print(f"\n{rule}")
+    print("\n".join([*lines, f"model, card (README.md) and metrics: {output_dir}"]))
+    if reports:
+        print(f"confusion matrix: {reports['confusion_matrix']}")
+    print(rule)

@@ -1,0 +1,205 @@
+"""The one table of distributed strategies this repo ships.
+
+Each row names a strategy once and says everything else about it: the accelerate config and DeepSpeed JSON that
+launch it, what it shards, and what it supports. The run plan (plan.py) checks a run against its row, the memory
+advisor (advise.py) estimates every row, and benchmarks, reports, the model card and the docs use the same names.
+Pure data: this module imports nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One strategy: how to launch it and what it can do."""
+
+    name: str
+    """Key used everywhere: plans, benchmark records, reports, the model card's tag."""
+    label: str
+    """How people write it (tables, messages)."""
+    accelerate_config: str | None
+    """`accelerate launch --config_file` file, relative to the repo root (None: plain `python`/`torchrun`)."""
+    deepspeed_config: str | None
+    """`deepspeed ... --deepspeed` file, relative to the repo root (None: not a DeepSpeed strategy)."""
+    zero_stage: int | None
+    """DeepSpeed ZeRO stage (None: not DeepSpeed)."""
+    shards: str
+    """What each process holds only a shard of."""
+    offload: bool = False
+    """Optimizer states (and, for stage 3 and FSDP2, parameters) live in host memory."""
+    refusals: dict[str, str] = field(default_factory=dict)
+    """Features this strategy refuses, each with the one-line reason (keys: `lora`, `torch_compile_regions`,
+    `fp8`). A feature not listed is supported."""
+    use_when: str = ""
+    """When to pick it (advisor, reports, docs)."""
+
+    def supports(self, feature: str) -> bool:
+        return feature not in self.refusals
+
+    @property
+    def multi_process(self) -> bool:
+        return self.name != "single"
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.zero_stage is not None
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.name.startswith("fsdp")
+
+
+_FP8_SHARDED = (
+    "--fp8 runs on one GPU or under DDP; with {label} it is untested (sharding splits the float8 layers' weights): "
+    "drop --fp8 or use accelerate_configs/ddp.yaml"
+)
+_ZERO3_REGIONS = (
+    "--torch_compile_regions does not train correctly under ZeRO-3 (on 2 H200s ViT-B's loss after 60 steps was "
+    "1.98 against 1.31 eager) and was slower there: drop it, or use ZeRO-2 or FSDP2 with it"
+)
+
+
+def _fp8(label: str) -> dict[str, str]:
+    return {"fp8": _FP8_SHARDED.format(label=label)}
+
+
+STRATEGIES: tuple[StrategySpec, ...] = (
+    StrategySpec(
+        "single",
+        "one device",
+        None,
+        None,
+        None,
+        "nothing",
+        use_when="the model, gradients and optimizer state fit on one GPU and one GPU is fast enough: no "
+        "communication at all, simplest to debug.",
+    ),
+    StrategySpec(
+        "ddp",
+        "DDP",
+        "accelerate_configs/ddp.yaml",
+        None,
+        None,
+        "nothing (every process holds the whole model)",
+        use_when="the model and optimizer state fit on every GPU: usually the fastest multi-GPU option; gradients "
+        "are all-reduced in buckets while the backward pass still runs.",
+    ),
+    StrategySpec(
+        "zero1",
+        "ZeRO-1",
+        "accelerate_configs/zero1.yaml",
+        "ds_configs/zero1.json",
+        1,
+        "optimizer states",
+        refusals=_fp8("ZeRO-1"),
+        use_when="DDP fits but optimizer state is the memory problem: it is sharded across GPUs for about DDP's "
+        "communication.",
+    ),
+    StrategySpec(
+        "zero2",
+        "ZeRO-2",
+        "accelerate_configs/zero2.yaml",
+        "ds_configs/zero2.json",
+        2,
+        "optimizer states and gradients",
+        refusals=_fp8("ZeRO-2"),
+        use_when="DDP fits only with a small batch: optimizer state and gradients are sharded (reduce-scatter "
+        "instead of all-reduce) for little extra communication.",
+    ),
+    StrategySpec(
+        "zero2_offload",
+        "ZeRO-2 + offload",
+        "accelerate_configs/zero2_offload.yaml",
+        "ds_configs/zero2_offload.json",
+        2,
+        "optimizer states and gradients",
+        offload=True,
+        refusals=_fp8("ZeRO-2 + offload"),
+        use_when="ZeRO-2 still runs out of memory: optimizer state lives in CPU RAM and the optimizer steps on the "
+        "CPU; much slower, use it to make a run fit, not to go fast.",
+    ),
+    StrategySpec(
+        "zero3",
+        "ZeRO-3",
+        "accelerate_configs/zero3.yaml",
+        "ds_configs/zero3.json",
+        3,
+        "parameters, gradients and optimizer states",
+        refusals={**_fp8("ZeRO-3"), "torch_compile_regions": _ZERO3_REGIONS},
+        use_when="the model itself (or the batch you need) does not fit on one GPU: parameters are sharded too and "
+        "gathered layer by layer in forward and backward, the most communication of all.",
+    ),
+    StrategySpec(
+        "zeropp",
+        "ZeRO++",
+        "accelerate_configs/zeropp.yaml",
+        "ds_configs/zeropp.json",
+        3,
+        "parameters, gradients and optimizer states (plus a secondary copy per node)",
+        refusals={**_fp8("ZeRO++"), "torch_compile_regions": _ZERO3_REGIONS},
+        use_when="ZeRO-3 across nodes or on a slow interconnect: quantised gradient communication and hierarchical "
+        "partitioning cut the traffic.",
+    ),
+    StrategySpec(
+        "zero3_offload",
+        "ZeRO-3 + offload",
+        "accelerate_configs/zero3_offload.yaml",
+        "ds_configs/zero3_offload.json",
+        3,
+        "parameters, gradients and optimizer states",
+        offload=True,
+        refusals={**_fp8("ZeRO-3 + offload"), "torch_compile_regions": _ZERO3_REGIONS},
+        use_when="ZeRO-3 still runs out of memory: parameters and optimizer state go to CPU RAM; the slowest "
+        "option, for models that fit no other way.",
+    ),
+    StrategySpec(
+        "fsdp2",
+        "FSDP2",
+        "accelerate_configs/fsdp.yaml",
+        None,
+        None,
+        "parameters, gradients and optimizer states",
+        refusals=_fp8("FSDP2"),
+        use_when="you want ZeRO-3-style sharding in plain PyTorch (per-parameter DTensor sharding, no DeepSpeed), "
+        "e.g. with torch.compile; scales best of the sharded strategies.",
+    ),
+    StrategySpec(
+        "fsdp2_offload",
+        "FSDP2 + offload",
+        "accelerate_configs/fsdp_offload.yaml",
+        None,
+        None,
+        "parameters, gradients and optimizer states",
+        offload=True,
+        refusals=_fp8("FSDP2 + offload"),
+        use_when="FSDP2 still runs out of memory: parameters and optimizer state are offloaded to CPU RAM.",
+    ),
+)
+
+BY_NAME: dict[str, StrategySpec] = {s.name: s for s in STRATEGIES}
+# Names older benchmark records and the advisor used.
+ALIASES = {"fsdp": "fsdp2", "fsdp_offload": "fsdp2_offload"}
+ORDER: tuple[str, ...] = tuple(s.name for s in STRATEGIES)
+
+
+def get(name: str) -> StrategySpec:
+    """The row for `name` (aliases accepted); KeyError lists the names there are."""
+    key = ALIASES.get(name, name)
+    if key not in BY_NAME:
+        raise KeyError(f"unknown strategy {name!r}; one of {', '.join(ORDER)}")
+    return BY_NAME[key]
+
+
+def identify(zero_stage: int | None, fsdp: bool, offload: bool, zeropp: bool, world_size: int) -> StrategySpec:
+    """The row a launch amounts to: DeepSpeed stage and options, FSDP, or plain data parallelism."""
+    if fsdp:
+        return BY_NAME["fsdp2_offload" if offload else "fsdp2"]
+    if zero_stage == 3:
+        return BY_NAME["zero3_offload" if offload else "zeropp" if zeropp else "zero3"]
+    if zero_stage in (1, 2):
+        return BY_NAME["zero2_offload" if offload and zero_stage == 2 else f"zero{zero_stage}"]
+    if zero_stage == 0:
+        return BY_NAME["ddp"]
+    return BY_NAME["ddp" if world_size > 1 else "single"]

@@ -1,0 +1,101 @@
+"""The run plan (derived once from the arguments and the launch), the strategy table, and `--help`."""
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from vit_recipes import strategies
+from vit_recipes.arguments import ARGUMENT_CLASSES, parse_args
+from vit_recipes.plan import build_plan, read_strategy
+
+
+def strategy_args(deepspeed=None, fsdp="", world_size=1):
+    return types.SimpleNamespace(deepspeed=deepspeed, fsdp=fsdp, world_size=world_size)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_strategy_deepspeed_dict(stage):
+    config = {"zero_optimization": {"stage": stage}, "train_batch_size": "auto"}
+    assert read_strategy(strategy_args(deepspeed=config, world_size=2)).name == f"zero{stage}"
+
+
+def test_strategy_deepspeed_json_file(tmp_path):
+    path = tmp_path / "ds_zero3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    assert read_strategy(strategy_args(deepspeed=str(path))).name == "zero3"
+
+
+def test_strategy_from_accelerate_env(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert read_strategy(strategy_args(world_size=4)).name == "zero2"
+
+
+def test_strategy_fsdp_ddp_single(monkeypatch):
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+    assert read_strategy(strategy_args(fsdp=["full_shard", "auto_wrap"], world_size=2)).name == "fsdp2"
+    assert read_strategy(strategy_args(world_size=2)).name == "ddp"
+    assert read_strategy(strategy_args()).name == "single"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert read_strategy(strategy_args(world_size=2)).name == "fsdp2"
+
+
+@pytest.mark.parametrize("spec", strategies.STRATEGIES, ids=lambda s: s.name)
+def test_every_shipped_config_is_the_strategy_its_row_names(spec, monkeypatch):
+    """The table's files exist and launch what the row says: its stage, offload and name."""
+    if spec.deepspeed_config:
+        config = json.loads((ROOT / spec.deepspeed_config).read_text())
+        assert config["zero_optimization"]["stage"] == spec.zero_stage
+        assert read_strategy(strategy_args(deepspeed=str(ROOT / spec.deepspeed_config), world_size=2)).spec is spec
+    if spec.accelerate_config:
+        launch = yaml.safe_load((ROOT / spec.accelerate_config).read_text())
+        if spec.deepspeed_config:
+            assert launch["deepspeed_config"]["deepspeed_config_file"] == spec.deepspeed_config
+        if spec.is_fsdp:
+            assert launch["distributed_type"] == "FSDP"
+            assert launch["fsdp_config"]["fsdp_offload_params"] is spec.offload
+            monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+            monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", str(spec.offload).lower())
+            assert read_strategy(strategy_args(world_size=2)).spec is spec
+
+
+def test_the_plan_derives_the_global_batch_precision_and_output_state_once(tmp_path):
+    args = parse_args(
+        ["--dataset_name", "x", "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--do_train", "true"]
+        + ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "3", "--report_to", "none"]
+    )
+    plan = build_plan(args)
+    assert plan.global_batch == 24 and plan.precision == "fp32" and plan.device == "cpu"
+    assert plan.strategy.name == "single" and plan.output.state == "fresh" and plan.resume_from is None
+    assert plan.identity["dataset_name"] == "x"
+
+
+def test_regional_compilation_under_zero3_is_refused_by_the_table(tmp_path):
+    from vit_recipes.errors import RecipeError
+
+    args = parse_args(
+        ["--dataset_name", "x", "--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none"]
+        + ["--deepspeed", str(ROOT / "ds_configs/zero3.json"), "--torch_compile_regions", "true"]
+    )
+    with pytest.raises(
+        RecipeError, match=r"zero3.json: --torch_compile_regions does not train correctly under ZeRO-3"
+    ):
+        build_plan(args)
+
+
+def test_help_exits_0_and_shows_every_argument_group():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "run_image_classification.py"), "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for cls in ARGUMENT_CLASSES:
+        assert f"\n{cls._argument_group_name}:\n" in done.stdout, cls._argument_group_name
+    assert (
+        "--patch_embedding_matmul" in done.stdout and "--use_peft" in done.stdout and "--profile_steps" in done.stdout
+    )
