@@ -63,7 +63,8 @@ def cifar_like(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> Path:
-    from vit_recipes.demo_data import build_digits
+    sys.path.insert(0, str(ROOT / "tools"))  # tools/demo_data.py: what `make demo` runs
+    from demo_data import build_digits
 
     return build_digits(tmp_path_factory.mktemp("digits"))
 

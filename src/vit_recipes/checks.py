@@ -176,7 +176,7 @@ def check_host_memory(strategy, model_args) -> None:
     """Offloading keeps optimizer states (and maybe parameters) in host RAM: refuse when it cannot fit."""
     import psutil
 
-    from .advise import host_memory_for, model_shape_from_args
+    from .memory import host_memory_for, model_shape_from_args
 
     shape = model_shape_from_args(model_args)
     if shape is None:  # no config to read yet (e.g. an uncached Hub id): build_model reports that
@@ -188,7 +188,7 @@ def check_host_memory(strategy, model_args) -> None:
             f"{strategy.spec.label} offload needs about {needed / 2**30:.1f} GiB of host memory on this node for "
             f"{shape.params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a "
             "configuration without offload, more nodes, or a machine with more memory "
-            "(python -m vit_recipes.advise shows the options)"
+            "(python tools/advise.py shows the options)"
         )
 
 

@@ -1,12 +1,12 @@
 """Memory advisor: which strategy fits a ViT on your GPUs, before you launch anything.
 
-    python -m vit_recipes.advise --model google/vit-huge-patch14-224-in21k --gpus 4 --batch 32
-    python -m vit_recipes.advise --model ./my-checkpoint --gpus 8 --nodes 2 --batch 64 --gpu-memory 141
+    python tools/advise.py --model google/vit-huge-patch14-224-in21k --gpus 4 --batch 32
+    python tools/advise.py --model ./my-checkpoint --gpus 8 --nodes 2 --batch 64 --gpu-memory 141
 
-Reads only the model's config (no weights): the model is built on the meta device, accelerate's
-`calculate_maximum_sizes` gives its size and largest layer. Per GPU, for every strategy this repo ships, it prints
-parameters, gradients, optimizer states and activations (without / with gradient checkpointing), whether that
-fits `--gpu-memory`, the host memory offloading needs per node, and the config file to launch with.
+For every multi-process strategy of the table (vit_recipes/strategies.py) it prints, per GPU, parameters,
+gradients, optimizer states and activations (without / with gradient checkpointing), whether that fits
+`--gpu-memory`, the host memory offloading needs per node (vit_recipes/memory.py), and the config file to launch
+with. It reads only the model's config (no weights).
 
 Model states (P parameters, N GPUs, L parameters of the largest layer, 16-bit training with AdamW):
 
@@ -30,36 +30,22 @@ communication buckets) is added to every total.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 
-from .errors import RecipeError
-from .hub import offline_env
-from .strategies import STRATEGIES, StrategySpec
+from vit_recipes.errors import RecipeError
+from vit_recipes.memory import (
+    BUFFER,
+    GIB,
+    ModelShape,
+    fsdp2_offload_host,
+    load_config,
+    model_shape,
+    zero2_states,
+    zero3_states,
+)
+from vit_recipes.strategies import STRATEGIES, StrategySpec
 
-GIB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    params: int
-    largest_layer_params: int
-    layers: int
-    hidden: int
-    heads: int
-    intermediate: int
-    image_size: int
-    patch_size: int
-    num_labels: int
-    channels: int = 3
-
-    @property
-    def tokens(self) -> int:
-        return (self.image_size // self.patch_size) ** 2 + 1  # patches + [CLS]
-
-
-# Every multi-process strategy in the table; one device needs no advice.
 OPTIONS = tuple(s for s in STRATEGIES if s.multi_process)
 
 
@@ -97,94 +83,6 @@ class Estimate:
 # --------------------------------------------------------------------------------------------- the model
 
 
-def _is_local(name: str) -> bool:
-    return os.path.exists(os.path.expanduser(name))
-
-
-def load_config(name: str, cache_dir: str | None = None, revision: str = "main"):
-    """The model's config: a local folder/file, or a Hub id (from the cache first). One line on failure."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if name in CONFIG_MAPPING_NAMES:  # a bare model type, e.g. "vit": its default config
-        return AutoConfig.for_model(name)
-    if _is_local(name):
-        try:
-            return AutoConfig.from_pretrained(os.path.expanduser(name))
-        except (OSError, ValueError) as err:
-            raise RecipeError(f"cannot read a model config in {name}: {str(err).splitlines()[0]}") from None
-    try:
-        return AutoConfig.from_pretrained(name, cache_dir=cache_dir, revision=revision, local_files_only=True)
-    except (OSError, ValueError):
-        pass
-    if offline_env():
-        raise RecipeError(
-            f"'{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: pass a local folder with "
-            "config.json (--model ./checkpoint), or run once online"
-        )
-    try:
-        return AutoConfig.from_pretrained(name, cache_dir=cache_dir, revision=revision)
-    except (OSError, ValueError) as err:
-        raise RecipeError(
-            f"cannot read the config of '{name}': not in the local cache and the Hub call failed "
-            f"({str(err).splitlines()[0]}); pass a local folder with config.json"
-        ) from None
-
-
-def model_shape(config, num_labels: int | None = None, image_size: int | None = None) -> ModelShape:
-    """Parameter count and largest layer of the classification model, built on the meta device (no memory)."""
-    from accelerate import init_empty_weights
-    from accelerate.utils import calculate_maximum_sizes
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING
-
-    config = config.__class__.from_dict(config.to_dict())  # a copy we may change
-    if num_labels:
-        config.num_labels = num_labels
-    if image_size:
-        config.image_size = image_size
-    try:
-        model_class = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
-    except KeyError:
-        raise RecipeError(f"'{config.model_type}' is not an image-classification model") from None
-    # The class itself, not from_config: under ZeRO-3, from_config would partition it with deepspeed.zero.Init.
-    with init_empty_weights():
-        model = model_class(config)
-    total_bytes, (largest_bytes, _) = calculate_maximum_sizes(model)
-    params = sum(p.numel() for p in model.parameters())
-    element = total_bytes / max(1, params)  # bytes per element of the (fp32) meta model
-    size = config.image_size[0] if isinstance(config.image_size, (list, tuple)) else config.image_size
-    patch = config.patch_size[0] if isinstance(config.patch_size, (list, tuple)) else config.patch_size
-    return ModelShape(
-        params=params,
-        largest_layer_params=int(round(largest_bytes / element)),
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        heads=config.num_attention_heads,
-        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
-        image_size=int(size),
-        patch_size=int(patch),
-        num_labels=config.num_labels,
-        channels=getattr(config, "num_channels", 3),
-    )
-
-
-def model_shape_from_args(model_args) -> ModelShape | None:
-    """The shape of the model the script will train (None when its config cannot be read yet)."""
-    try:
-        if model_args.model_name_or_path:
-            config = load_config(model_args.model_name_or_path, model_args.cache_dir, model_args.model_revision)
-        else:
-            config = load_config(model_args.config_name)
-            if model_args.config_overrides:
-                config.update_from_string(model_args.config_overrides)
-        return model_shape(config)
-    except (RecipeError, ValueError, OSError, AttributeError):
-        return None
-
-
-# ------------------------------------------------------------------------------------------- activations
-
-
 def activation_bytes(
     shape: ModelShape, batch: int, precision: str = "bf16", checkpointing: bool = False, attention: str = "sdpa"
 ) -> float:
@@ -202,37 +100,6 @@ def activation_bytes(
 # -------------------------------------------------------------------------------------------- model states
 
 
-def _ds_zero2(params: int, gpus_per_node: int, nodes: int, offload: bool) -> tuple[int, int]:
-    """(host bytes per node, GPU bytes) of ZeRO-2 model states: DeepSpeed's estimator."""
-    try:
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-    except ImportError:  # DeepSpeed's formula (deepspeed 0.19), for machines without it
-        n = gpus_per_node * nodes
-        if offload:
-            return int(params * max(4 * n, 16) * 1.5), 2 * params
-        return int(params * 4 * gpus_per_node * 1.5), 2 * params + int(18 * params / n)
-    return estimate_zero2_model_states_mem_needs(params, gpus_per_node, nodes, cpu_offload=offload)
-
-
-def _ds_zero3(
-    params: int, largest: int, gpus_per_node: int, nodes: int, offload: bool, offload_params: bool | None = None
-) -> tuple[int, int, int]:
-    """(host bytes per node, GPU bytes, largest-layer bytes) of ZeRO-3 model states: DeepSpeed's estimator."""
-    offload_params = offload if offload_params is None else offload_params
-    try:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    except ImportError:  # DeepSpeed's formula (deepspeed 0.19, zero_init=True), for machines without it
-        n, layer = gpus_per_node * nodes, 4 * largest
-        if offload:
-            per_param = 18 if offload_params else 16
-            gpu = layer if offload_params else layer + int(2 * params / n)
-            return int(params * per_param / nodes * 1.5), gpu, layer
-        return int(largest * 4 * gpus_per_node * 1.5), layer + int(18 * params / n), layer
-    return estimate_zero3_model_states_mem_needs(
-        params, largest, gpus_per_node, nodes, cpu_offload=offload, cpu_offload_params=offload_params, zero_init=True
-    )
-
-
 def _accelerate_ddp(params: int, precision: str) -> dict[str, int]:
     from accelerate.commands.estimate import estimate_training_usage
 
@@ -244,7 +111,6 @@ def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, pr
     """(params, grads, optimizer) bytes per GPU and host bytes per node for one strategy."""
     P, L = shape.params, shape.largest_layer_params
     n = gpus_per_node * nodes
-    buffer = 1.5  # DeepSpeed's additional_buffer_factor, also used for FSDP2's offload
     ddp = _accelerate_ddp(P, precision)
     if key == "ddp":
         return ddp["model"], ddp["gradients"], ddp["optimizer"], 0.0
@@ -252,47 +118,46 @@ def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, pr
         in_flight = 2 * L * (4 if precision == "fp32" else 2)  # two unsharded layers in the compute dtype
         if key == "fsdp2":
             return ddp["model"] / n + in_flight, ddp["gradients"] / n, ddp["optimizer"] / n, 0.0
-        host = (4 + 4 + 8) * P / nodes * buffer  # fp32 shards of params, grads and Adam moments on the host
-        return in_flight, in_flight / 2, 0.0, host
+        return in_flight, in_flight / 2, 0.0, fsdp2_offload_host(P, nodes)
     if precision == "fp32":  # DeepSpeed's estimators assume 16-bit training; the same partitioning in fp32
-        return _zero_fp32(key, P, L, n, gpus_per_node, nodes, buffer)
+        return _zero_fp32(key, P, L, n, gpus_per_node, nodes)
     # DeepSpeed's totals, split the way it counts them: 16-bit params, 16-bit + fp32 gradients, fp32 master + Adam
     optimizer = 12 * P / n
     if key in ("zero1", "zero2"):
-        _, gpu = _ds_zero2(P, gpus_per_node, nodes, offload=False)
+        _, gpu = zero2_states(P, gpus_per_node, nodes, offload=False)
         params = 2 * P
         grads = gpu - params - optimizer  # 2P/N 16-bit + 4P/N fp32
         if key == "zero1":
             grads += 2 * P - 2 * P / n  # ZeRO-1 keeps the full 16-bit gradients
         return params, grads, optimizer, 0.0
     if key == "zero2_offload":
-        host, gpu = _ds_zero2(P, gpus_per_node, nodes, offload=True)
+        host, gpu = zero2_states(P, gpus_per_node, nodes, offload=True)
         return float(gpu), 0.0, 0.0, float(host)
     if key in ("zero3", "zeropp"):
-        _, gpu, largest = _ds_zero3(P, L, gpus_per_node, nodes, offload=False)
+        _, gpu, largest = zero3_states(P, L, gpus_per_node, nodes, offload=False)
         params = 2 * P / n + largest  # own partition + the gathered layers in flight
         grads = gpu - params - optimizer  # 4P/N fp32
         if key == "zeropp":
             params += 2 * P / gpus_per_node  # hpZ: a secondary 16-bit partition within the node
         return params, grads, optimizer, 0.0
     if key == "zero3_offload":
-        host, gpu, _ = _ds_zero3(P, L, gpus_per_node, nodes, offload=True)
+        host, gpu, _ = zero3_states(P, L, gpus_per_node, nodes, offload=True)
         return float(gpu), 0.0, 0.0, float(host)
     raise KeyError(key)
 
 
-def _zero_fp32(key, P, L, n, gpus_per_node, nodes, buffer):
+def _zero_fp32(key, P, L, n, gpus_per_node, nodes):
     if key == "zero1":
         return 4 * P, 4 * P, 8 * P / n, 0.0
     if key == "zero2":
         return 4 * P, 4 * P / n, 8 * P / n, 0.0
     if key == "zero2_offload":
-        return 4 * P, 0.0, 0.0, (4 + 8) * P / nodes * buffer
+        return 4 * P, 0.0, 0.0, (4 + 8) * P / nodes * BUFFER
     if key in ("zero3", "zeropp"):
         extra = 4 * P / gpus_per_node if key == "zeropp" else 0
         return 4 * P / n + 8 * L + extra, 4 * P / n, 8 * P / n, 0.0
     if key == "zero3_offload":
-        return 8 * L, 0.0, 0.0, (4 + 4 + 8) * P / nodes * buffer
+        return 8 * L, 0.0, 0.0, (4 + 4 + 8) * P / nodes * BUFFER
     raise KeyError(key)
 
 
@@ -318,20 +183,6 @@ def estimate(
         params, grads, optimizer, host = model_states(spec.name, shape, per_node, nodes, precision)
         out.append(Estimate(spec, params, grads, optimizer, act, act_ckpt, host, overhead_gib * GIB))
     return out
-
-
-def host_memory_for(strategy, shape: ModelShape) -> float:
-    """Host bytes per node that the offload of a run's `plan.Strategy` needs."""
-    per_node, nodes = strategy.processes_per_node, strategy.nodes
-    if strategy.fsdp:
-        return float(model_states("fsdp2_offload", shape, per_node, nodes)[3])
-    P, L = shape.params, shape.largest_layer_params
-    if strategy.zero_stage == 3:
-        return float(_ds_zero3(P, L, per_node, nodes, strategy.offload_optimizer, strategy.offload_params)[0])
-    return float(_ds_zero2(P, per_node, nodes, strategy.offload_optimizer)[0])
-
-
-# -------------------------------------------------------------------------------------------------- report
 
 
 def _gib(value: float) -> str:
@@ -431,7 +282,7 @@ def recommend(estimates: list[Estimate], gpu_bytes: float) -> tuple[Estimate, bo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vit_recipes.advise",
+        prog="python tools/advise.py",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

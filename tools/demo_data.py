@@ -3,7 +3,7 @@
 Written as Hub-shaped parquet (data/{train,validation,test}-00000-of-00001.parquet with Image and ClassLabel
 features), so the demo goes through exactly the loading path a Hub or local dataset does.
 
-    python -m vit_recipes.demo_data data/digits
+    python tools/demo_data.py data/digits
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""The package's layers (docs/architecture.md): a module imports only modules of lower layers."""
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "src" / "vit_recipes"
+# Bottom to top, as docs/architecture.md draws them.
+LAYERS = [
+    {"errors", "strategies", "images", "transforms", "metrics", "patch_embedding", "flops", "meter", "profiling"}
+    | {"reports", "plots", "rank_report", "timeline", "__init__"},
+    {"arguments", "hub", "launch", "run_dir", "fp8"},
+    {"data", "memory", "lora"},
+    {"checks", "modeling", "card", "observability"},
+    {"plan", "adapters"},
+    {"trainer"},
+    {"steps"},
+]
+
+
+def package_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found.update([node.module] if node.module else [a.name for a in node.names])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vit_recipes"):
+            found.add(node.module.split(".")[1] if "." in node.module else "")
+    return {name.split(".")[0] for name in found if name}
+
+
+def test_every_module_has_a_layer_and_imports_only_lower_ones():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
+    assert set(modules) == set(layer), "docs/architecture.md and LAYERS must name every module"
+    upward = [
+        f"{name} (layer {layer[name]}) imports {other} (layer {layer[other]})"
+        for name, path in modules.items()
+        for other in package_imports(path)
+        if layer[other] >= layer[name]
+    ]
+    assert not upward, upward
+
+
+def test_arguments_import_nothing_of_ours_but_errors():
+    assert package_imports(PACKAGE / "arguments.py") == {"errors"}
