@@ -553,6 +553,12 @@ def validate_arguments(args: RunArguments) -> None:
             "--do_predict needs --predict_images (a folder of images) or a dataset with a test split",
         ),
         (
+            not (args.lora.merge_adapter and training_args.push_to_hub)
+            or str(getattr(training_args.hub_strategy, "value", training_args.hub_strategy)) == "end",
+            "--merge_adapter with --push_to_hub needs --hub_strategy end: pushing every save would put adapter files "
+            "into the repository of the merged model",
+        ),
+        (
             args.lora.method == "full" or model_args.model_name_or_path,
             f"--{'use_peft' if args.lora.use_peft else 'freeze_backbone'} needs pretrained weights "
             "(--model_name_or_path): a frozen randomly initialised backbone cannot learn",

@@ -216,7 +216,6 @@ def _print_counts(method: str, counts: dict, detail: str, training_args) -> None
 def build_finetune_model(model_args, lora_args: LoraArguments, training_args, label_names: list[str]):
     """The model to train or evaluate, its input resolution, and a `FinetuneSetup`.
 
-    Must run before the Trainer is created (it sets DDP's find_unused_parameters for frozen backbones).
     """
     source = model_args.model_name_or_path
     if is_adapter_dir(source):
@@ -234,13 +233,6 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
             "lora_dropout": lora_args.lora_dropout,
             "lora_target_modules": target_names(model.peft_config["default"]),
         }
-        if lora_args.merge_adapter and getattr(training_args, "push_to_hub", False):
-            strategy = str(getattr(training_args.hub_strategy, "value", training_args.hub_strategy))
-            if strategy != "end":
-                raise RecipeError(
-                    "--merge_adapter with --push_to_hub needs --hub_strategy end: pushing every save would put "
-                    "adapter files into the repository of the merged model"
-                )
     elif method == "head":
         heads = head_module_names(model)
         for name, p in model.named_parameters():
@@ -248,10 +240,6 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
         detail = f": the head ({', '.join(heads)}) on a frozen backbone"
     else:
         detail = ""
-    if method != "full" and getattr(training_args, "ddp_find_unused_parameters", None) is None:
-        # Every trainable parameter is used in each step; True would cost a graph walk per step and breaks reentrant
-        # checkpointing (the Trainer only infers False for plain transformers models).
-        training_args.ddp_find_unused_parameters = False
     setup.metrics = parameter_counts(model)
     _print_counts(
         {"full": "Full fine-tuning", "lora": "LoRA", "head": "Head only"}[method], setup.metrics, detail, training_args
@@ -284,8 +272,6 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
             "lora_target_modules": target_names(peft_config),
         },
     )
-    if trainable and getattr(training_args, "ddp_find_unused_parameters", None) is None:
-        training_args.ddp_find_unused_parameters = False
     if trainable and getattr(training_args, "gradient_checkpointing", False):
         unwrap(model).enable_input_require_grads()
     _print_counts(

@@ -22,6 +22,7 @@ from .arguments import RunArguments, run_config
 from .checks import check_plan, config_value, is_true
 from .errors import RecipeError
 from .launch import bind_deepspeed_comm, env_int
+from .lora import is_adapter_dir
 from .run_dir import OutputState, resolve_output_dir
 from .strategies import StrategySpec
 
@@ -242,6 +243,11 @@ def build_plan(args: RunArguments) -> RunPlan:
 def configure(plan: RunPlan, args: RunArguments) -> None:
     """Apply what the plan decided to the settings accelerate, the Trainer and DeepSpeed read later."""
     t, strategy = args.training, plan.strategy
+    frozen_backbone = args.lora.method != "full" or is_adapter_dir(args.model.model_name_or_path)
+    if frozen_backbone and t.ddp_find_unused_parameters is None:
+        # Every trainable parameter is used in each step; True would cost a graph walk per step and breaks reentrant
+        # checkpointing (the Trainer only infers False for plain transformers models).
+        t.ddp_find_unused_parameters = False
     if strategy.fsdp and t.gradient_checkpointing:
         # The Trainer refuses its own checkpointing together with FSDP's, and FSDP's composes with resharding: a
         # recipe asking for checkpointing gets FSDP's, per wrapped layer. The FSDP plugin is built later, by the

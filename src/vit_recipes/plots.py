@@ -4,7 +4,7 @@
 
 - training_curves.png: training loss (and validation loss), learning rate, grad norm;
 - validation_metrics.png: every eval_* metric over steps;
-- throughput.png: images/s, step time, data-wait fraction and memory per rank (from StepMetricsCallback).
+- throughput.png: images/s, step time, data-wait fraction and memory per rank (from meter.SpeedMeter).
 The confusion matrix is written by reports.py.
 """
 
