@@ -7,8 +7,9 @@
 #     GPU_LORA_PARTS="strategies reload" NPROC=2 bash benchmarks/gpu_lora.sh   # only some parts (speed, vith,
 #                                                                             # strategies, reload, full, transfer)
 #     GPU_LORA_PARTS=transfer bash benchmarks/gpu_lora.sh   # the transfer check at full size (~6 min, one GPU):
-#         `python -m vit_recipes.transfer` (docs/lora.md); needs Fashion-MNIST's idx files in FASHION_MNIST
-#         (default /usr/share/datasets/fashion-mnist, else data/fashion-mnist-idx carried along)
+#         `python benchmarks/transfer.py` (docs/lora.md); needs Fashion-MNIST's idx files in FASHION_MNIST
+#         (default /usr/share/datasets/fashion-mnist from `apt-get install dataset-fashion-mnist`, else
+#         data/fashion-mnist-idx carried along)
 # Runs, in priority order (what does not fit in GPU_LORA_BUDGET seconds, default 300, is recorded as skipped):
 #   vitb-full / vitb-lora: ViT-B/16, CIFAR-100-shaped, bf16, batch 256, 60 steps: img/s and peak memory, full vs LoRA
 #   vith-lora / vith-lora-ckpt: ViT-H/14, batch 64, 30 steps, LoRA without and with gradient checkpointing
@@ -18,7 +19,7 @@
 #     merged plain model): test accuracy must match; the merged ones also load in transformers.pipeline
 #   vith-full: ViT-H/14 full fine-tuning at batch 64, for the memory comparison (last: gpu_core.sh measures it too)
 # Assets: benchmarks/make_assets.py (random-init checkpoints and class-colour images: speed, memory and save/reload
-# correctness, not accuracy; the accuracy of LoRA against full fine-tuning is `python -m vit_recipes.transfer`).
+# correctness, not accuracy; the accuracy of LoRA against full fine-tuning is `python benchmarks/transfer.py`).
 # $OUT gets gpu_lora.json (one record per run + checks), gpu_lora.md (tables) and gpu_lora.log.
 START=$(date +%s)
 BUDGET=${GPU_LORA_BUDGET:-285}
@@ -205,7 +206,7 @@ if has transfer; then
   say "transfer check (Fashion-MNIST from $FASHION)"
   TRANSFER_ARGS=()
   [ -n "$GPU_LORA_CPU" ] && TRANSFER_ARGS=(--size test)
-  python3 -m vit_recipes.transfer --fashion_mnist "$FASHION" --out "$RESULTS/transfer" --work /tmp/lora_transfer_work --budget 480 \
+  python3 benchmarks/transfer.py --fashion_mnist "$FASHION" --out "$RESULTS/transfer" --work /tmp/lora_transfer_work --budget 480 \
     "${TRANSFER_ARGS[@]}" 2>&1 | grep -v "it/s\]" | tee -a "$LOG"
   cp "$RESULTS/transfer/lora_transfer.json" "$RESULTS/transfer/lora_transfer.md" "$OUT/" 2>>"$LOG"
 fi

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vit_recipes.strategies import STRATEGIES
+
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 64
 STEPS = 20
@@ -41,7 +43,7 @@ STEPS = 20
 class Run:
     name: str
     launcher: str  # python | accelerate | deepspeed
-    config: str | None = None  # accelerate_configs/X.yaml or ds_configs/X.json
+    config: str | None = None  # the strategy's accelerate YAML or DeepSpeed JSON (strategy table)
     args: list[str] = field(default_factory=list)
     gpus: str = "all"  # "all" or "1"
     wrapper: str = ""  # expected suffix of the wrapper class
@@ -63,46 +65,49 @@ class Run:
 
 def plan(gpus: int) -> list[Run]:
     """Runs in priority order: FSDP2 first (the CPU cannot show it), then precision, then the rest."""
+    # Each strategy's shipped configs, from the strategy table (vit_recipes/strategies.py).
+    acc = {s.name: s.accelerate_config for s in STRATEGIES}
+    ds = {s.name: s.deepspeed_config for s in STRATEGIES}
     bf16 = ["--bf16", "true"]
     single = dict(wrapper="ViTForImageClassification")
     if gpus == 1:
         return [
             Run("single-bf16", "python", args=bf16, checkpoints=True, **single),
             Run("single-fp16", "python", args=["--fp16", "true"], reference="single-bf16", **single),
-            Run("refused-2-processes-on-1-gpu", "accelerate", "accelerate_configs/ddp.yaml", bf16, gpus="2",
+            Run("refused-2-processes-on-1-gpu", "accelerate", acc["ddp"], bf16, gpus="2",
                 expect_error="2 processes on this machine but only 1 GPU", estimate_s=25),
             Run("single-bf16-resume", "python", args=bf16, resume_of="single-bf16", checkpoints=True, **single),
-            Run("zero3_offload-1gpu", "deepspeed", "ds_configs/zero3_offload.json", bf16, wrapper="DeepSpeedEngine",
+            Run("zero3_offload-1gpu", "deepspeed", ds["zero3_offload"], bf16, wrapper="DeepSpeedEngine",
                 zero_stage=3, offload=True, estimate_s=90, model="vit-base"),
         ]  # fmt: skip
     ckpt = ["--gradient_checkpointing", "true"]
     sharded = dict(params_sharded=True, optimizer_sharded=True)
     return [
-        Run("ddp", "accelerate", "accelerate_configs/ddp.yaml", bf16, wrapper="DistributedDataParallel"),
-        Run("fsdp", "accelerate", "accelerate_configs/fsdp.yaml", bf16 + ckpt, wrapper="FSDP", fsdp_ac=True,
+        Run("ddp", "accelerate", acc["ddp"], bf16, wrapper="DistributedDataParallel"),
+        Run("fsdp", "accelerate", acc["fsdp2"], bf16 + ckpt, wrapper="FSDP", fsdp_ac=True,
             reference="ddp", checkpoints=True, **sharded),
-        Run("fsdp-resume", "accelerate", "accelerate_configs/fsdp.yaml", bf16 + ckpt, wrapper="FSDP", fsdp_ac=True,
+        Run("fsdp-resume", "accelerate", acc["fsdp2"], bf16 + ckpt, wrapper="FSDP", fsdp_ac=True,
             resume_of="fsdp", checkpoints=True, **sharded),
-        Run("fsdp_offload", "accelerate", "accelerate_configs/fsdp_offload.yaml", bf16, wrapper="FSDP",
+        Run("fsdp_offload", "accelerate", acc["fsdp2_offload"], bf16, wrapper="FSDP",
             offload=True, reference="ddp", **sharded),
-        Run("zero3", "accelerate", "accelerate_configs/zero3.yaml", bf16 + ckpt, wrapper="DeepSpeedEngine",
+        Run("zero3", "accelerate", acc["zero3"], bf16 + ckpt, wrapper="DeepSpeedEngine",
             zero_stage=3, model_ckpt=True, reference="ddp", checkpoints=True, **sharded),
-        Run("zero2-fp16", "deepspeed", "ds_configs/zero2.json", ["--fp16", "true"], wrapper="DeepSpeedEngine",
+        Run("zero2-fp16", "deepspeed", ds["zero2"], ["--fp16", "true"], wrapper="DeepSpeedEngine",
             zero_stage=2, optimizer_sharded=True, reference="ddp"),
         # fine-tuning a checkpoint whose head is replaced: ZeRO-3 loads through deepspeed.zero.Init (strategy.py)
-        Run("zero3-new-head", "deepspeed", "ds_configs/zero3.json", bf16, wrapper="DeepSpeedEngine", zero_stage=3,
+        Run("zero3-new-head", "deepspeed", ds["zero3"], bf16, wrapper="DeepSpeedEngine", zero_stage=3,
             model="vit-base", **sharded),
-        Run("refused-too-many-processes", "accelerate", "accelerate_configs/ddp.yaml", bf16, gpus=str(gpus + 1),
+        Run("refused-too-many-processes", "accelerate", acc["ddp"], bf16, gpus=str(gpus + 1),
             expect_error=f"{gpus + 1} processes on this machine but only {gpus} GPU", estimate_s=25),
-        Run("zeropp", "accelerate", "accelerate_configs/zeropp.yaml", bf16, wrapper="DeepSpeedEngine",
+        Run("zeropp", "accelerate", acc["zeropp"], bf16, wrapper="DeepSpeedEngine",
             zero_stage=3, reference="ddp", estimate_s=90, **sharded),
-        Run("zero3_offload", "deepspeed", "ds_configs/zero3_offload.json", bf16, wrapper="DeepSpeedEngine",
+        Run("zero3_offload", "deepspeed", ds["zero3_offload"], bf16, wrapper="DeepSpeedEngine",
             zero_stage=3, offload=True, reference="ddp", estimate_s=90, **sharded),
-        Run("zero1", "deepspeed", "ds_configs/zero1.json", bf16, wrapper="DeepSpeedEngine", zero_stage=1,
+        Run("zero1", "deepspeed", ds["zero1"], bf16, wrapper="DeepSpeedEngine", zero_stage=1,
             optimizer_sharded=True, reference="ddp"),
-        Run("zero2_offload", "accelerate", "accelerate_configs/zero2_offload.yaml", bf16, wrapper="DeepSpeedEngine",
+        Run("zero2_offload", "accelerate", acc["zero2_offload"], bf16, wrapper="DeepSpeedEngine",
             zero_stage=2, optimizer_sharded=True, offload=True, reference="ddp"),
-        Run("zero3-resume", "deepspeed", "ds_configs/zero3.json", bf16 + ckpt, wrapper="DeepSpeedEngine",
+        Run("zero3-resume", "deepspeed", ds["zero3"], bf16 + ckpt, wrapper="DeepSpeedEngine",
             zero_stage=3, model_ckpt=True, resume_of="zero3", checkpoints=True, **sharded),
     ]  # fmt: skip
 

@@ -3,6 +3,8 @@
 
     python benchmarks/report.py benchmarks/results/h200 [more folders or record files] [--out DIR]
 
+Folders are searched recursively (a run's outputs/, logs/, profiler/ and runs/ are skipped).
+
 Writes into --out (default: the first folder):
 - results.md: one table row per successful run, then failed/skipped runs with their error line, then the
   cold/warm decode runs;
@@ -16,39 +18,63 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 CHARTS = ("throughput_vs_batch.png", "memory_vs_batch.png", "time_20_steps.png")
 REQUIRED = ("name", "strategy", "gpus", "model", "per_device_batch", "precision", "metrics")
+MAX_RECORD_BYTES = 5 * 2**20  # larger JSON files are traces or model states, not records
+SKIP_DIRS = {"outputs", "logs", "profiler", "runs", ".git"}  # a run's output, logs and traces: no records there
 
 
 # --------------------------------------------------------------------------------------------------- loading
 
 
-def load_records(paths: list[str]) -> list[dict]:
-    """Every benchmark record among the given files and folders (other JSON files are ignored)."""
+def is_record(item) -> bool:
+    """A benchmark record names its strategy and has metrics or a status (a run that failed early has none)."""
+    return isinstance(item, dict) and isinstance(item.get("strategy"), str) and ("metrics" in item or "status" in item)
+
+
+def load_records(paths: list[str | os.PathLike]) -> list[dict]:
+    """Every benchmark record among these files and folders (folders searched recursively; other JSON is ignored).
+
+    Each record is a copy with `_source`, its file. Used by this report and by strategy_report.py.
+    """
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
-            files += sorted(path.glob("*.json"))
-        elif path.is_file():
+        if path.is_file():
             files.append(path)
+        elif path.is_dir():
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+                files += [Path(root) / n for n in sorted(names) if n.endswith(".json")]
         else:
             raise FileNotFoundError(f"no such file or folder: {raw}")
     records = []
-    for file in files:
-        try:
-            record = json.loads(file.read_text())
-        except ValueError:
+    for file in tqdm(files, desc="reading records", leave=False):
+        if file.stat().st_size > MAX_RECORD_BYTES:
             continue
-        for item in record if isinstance(record, list) else [record]:  # a file may hold one record or a list
-            if isinstance(item, dict) and all(key in item for key in REQUIRED):
-                item.setdefault("status", "ok" if item["metrics"].get("train_images_per_second") else "failed")
-                fill_derived(item)
-                records.append(item)
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except ValueError:  # not JSON (UnicodeDecodeError is a ValueError too)
+            continue
+        for item in data if isinstance(data, list) else [data]:  # a file may hold one record or a list
+            if is_record(item):
+                records.append({**item, "_source": str(file)})
+    return records
+
+
+def table_records(paths: list[str | os.PathLike]) -> list[dict]:
+    """The records this report can show (every REQUIRED key), with their status and derived figures filled in."""
+    records = [r for r in load_records(paths) if all(key in r for key in REQUIRED)]
+    for record in records:
+        record.setdefault("status", "ok" if record["metrics"].get("train_images_per_second") else "failed")
+        fill_derived(record)
     return records
 
 
@@ -376,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
     try:
-        records = load_records(args.paths)
+        records = table_records(args.paths)
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

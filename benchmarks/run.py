@@ -12,10 +12,11 @@ A matrix (batch 8..256 x DDP fp32/bf16, ZeRO-2, ZeRO-3 + offload, FSDP2, ZeRO-3)
 Arguments for the script itself go after a bare `--` (or in `--extra "..."`):
     python benchmarks/run.py ... -- --gradient_checkpointing true
 
-Launchers: single -> python; ddp -> accelerate launch --multi_gpu; every other strategy ->
-accelerate launch --config_file accelerate_configs/<file>.yaml (see STRATEGIES). The script writes its steady-state
-figures (warm-up skipped) into output_dir/all_results.json (TrainingStatsCallback); they become the record's
-"metrics". A run that fails, runs out of memory or times out is recorded with status "failed" and its error line.
+Launchers: single -> python; ddp -> accelerate launch --multi_gpu; every other strategy -> accelerate launch
+--config_file with its accelerate config (STRATEGIES, from the table in vit_recipes/strategies.py). The script
+writes its steady-state figures (warm-up skipped) into output_dir/all_results.json (meter.SpeedMeter); they
+become the record's "metrics". A run that fails, runs out of memory or times out is recorded with status "failed"
+and its error line.
 `decode: true` in a suite entry runs the same command twice with one fresh HF_DATASETS_CACHE: "<name>-cold" decodes
 every image, "<name>-warm" reads the cache; both records carry data_decode_seconds and wall_seconds.
 
@@ -44,21 +45,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The runs use the checkout's package (PYTHONPATH=src, see child_env), with no install: so does the runner.
+sys.path.insert(0, str(ROOT / "src"))
+
+from vit_recipes import strategies  # noqa: E402
+
 SCRIPT = "run_image_classification.py"
 SCHEMA_VERSION = 1
 
-# strategy -> accelerate config file under accelerate_configs/ (None: no config file).
+# strategy -> its accelerate config, relative to ROOT (None: launched without one), from the strategy table. ddp
+# runs with `accelerate launch --multi_gpu` (or torchrun), not with the table's ddp.yaml.
 STRATEGIES: dict[str, str | None] = {
-    "single": None,
-    "ddp": None,
-    "zero1": "zero1.yaml",
-    "zero2": "zero2.yaml",
-    "zero2_offload": "zero2_offload.yaml",
-    "zero3": "zero3.yaml",
-    "zero3_offload": "zero3_offload.yaml",
-    "fsdp2": "fsdp.yaml",
-    "fsdp2_offload": "fsdp_offload.yaml",
-    "zeropp": "zeropp.yaml",
+    s.name: None if s.name == "ddp" else s.accelerate_config for s in strategies.STRATEGIES
 }
 PRECISIONS = ("fp32", "bf16")
 SWEEP_BATCHES = (8, 32, 64, 128, 256)
@@ -185,7 +183,7 @@ def normalise(run: dict, defaults: dict | None = None) -> dict:
             raise PlanError(
                 "ds_overrides: a mapping of dotted DeepSpeed keys to values, e.g. {zero_optimization.reduce_bucket_size: 5e7}"
             )
-        if not run["strategy"].startswith("zero"):
+        if not strategies.BY_NAME[run["strategy"]].is_deepspeed:
             raise PlanError(f"ds_overrides: strategy {run['strategy']!r} does not use DeepSpeed")
     run["name"] = str(run.get("name") or default_name(run))
     if not re.fullmatch(r"[\w.+-]+", run["name"]):
@@ -233,12 +231,8 @@ def sweep_runs(batches=SWEEP_BATCHES, variants=SWEEP_VARIANTS) -> list[dict]:
 
 
 def deepspeed_config(run: dict) -> dict:
-    """The strategy's DeepSpeed JSON (the one its accelerate YAML points to) with the run's ds_overrides applied."""
-    import yaml
-
-    yaml_file = ROOT / "accelerate_configs" / STRATEGIES[run["strategy"]]
-    json_file = ROOT / yaml.safe_load(yaml_file.read_text())["deepspeed_config"]["deepspeed_config_file"]
-    config = json.loads(json_file.read_text())
+    """The strategy's DeepSpeed JSON (its row in the strategy table) with the run's ds_overrides applied."""
+    config = json.loads((ROOT / strategies.BY_NAME[run["strategy"]].deepspeed_config).read_text())
     for dotted, value in run["ds_overrides"].items():
         *parents, leaf = dotted.split(".")
         node = config
@@ -259,7 +253,7 @@ def launch_prefix(run: dict, port: int | None = None, ds_config_file: str | None
     if strategy == "ddp":
         cmd += ["--multi_gpu"]
     else:
-        config = ROOT / "accelerate_configs" / STRATEGIES[strategy]
+        config = ROOT / STRATEGIES[strategy]
         if not config.is_file():
             raise PlanError(f"accelerate config for {strategy} not found: {config.relative_to(ROOT)}")
         cmd += ["--config_file", str(config.relative_to(ROOT))]
@@ -490,7 +484,7 @@ PER_RANK_NAMES = {
 
 
 def per_rank_memory(output_dir: Path) -> dict:
-    """Memory of every rank, from the per-step logs in trainer_state.json (observability.StepMetricsCallback):
+    """Memory of every rank, from the per-step logs in trainer_state.json (meter.SpeedMeter):
     the largest logged value per rank, plus train_peak_allocated_gib_max_rank and
     train_states_allocated_gib_max_rank. Empty when nothing was logged."""
     try:

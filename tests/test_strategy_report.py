@@ -1,12 +1,15 @@
 """The strategy report on recorded sample records (tests/data/strategy_report: test fixtures, not measurements)."""
 
+import importlib
 import json
+import sys
 
 import pytest
 from conftest import ROOT
 from PIL import Image
 
-from vit_recipes import strategy_report
+sys.path.append(str(ROOT / "benchmarks"))  # a script there, as are report.py and trace_analysis.py it imports
+strategy_report = importlib.import_module("strategy_report")
 
 RECORDS = ROOT / "tests/data/strategy_report/records"
 CHARTS = ("throughput", "memory", "step_breakdown", "scaling", "mfu")

@@ -12,9 +12,12 @@ through run_image_classification.py, once per method:
 Each record holds test accuracy, trainable parameters, training img/s, peak memory (CUDA peak allocated on a GPU,
 the process's peak RSS on a CPU) and the size of what was saved. Target: LoRA within 1 point of full fine-tuning.
 
-    python -m vit_recipes.transfer --out benchmarks/results/lora_transfer            # full size, one GPU, ~5 min
-    python -m vit_recipes.transfer --size small --out outputs/lora_transfer_small     # CPU, a few minutes
-    python -m vit_recipes.transfer --size small --stage pretrain --work outputs/transfer   # base for digits_lora.yaml
+    python benchmarks/transfer.py --out benchmarks/results/lora_transfer            # full size, one GPU, ~5 min
+    python benchmarks/transfer.py --size small --out outputs/lora_transfer_small     # CPU, a few minutes
+    python benchmarks/transfer.py --size small --stage pretrain --work outputs/transfer   # base for digits_lora.yaml
+
+Fashion-MNIST's idx files are read from --fashion_mnist (default /usr/share/datasets/fashion-mnist, where Debian's
+dataset-fashion-mnist package puts them).
 
 Writes OUT/lora_transfer.json and OUT/lora_transfer.md.
 """
@@ -50,9 +53,9 @@ FASHION_LABELS = [
     "Bag",
     "Ankle boot",
 ]
-SCRIPT = Path(__file__).resolve().parents[2] / "run_image_classification.py"  # the repository checkout
-if not SCRIPT.is_file():  # an installed package: run from the repository root
-    SCRIPT = Path("run_image_classification.py").resolve()
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ -> the repository root
+SCRIPT = ROOT / "run_image_classification.py"
+sys.path.insert(0, str(ROOT / "tools"))  # tools/demo_data.py (digits, stratified splits): a script, not in the package
 METHODS = ("full", "lora", "lora_all", "head")
 METHOD_FLAGS = {
     "full": [],
@@ -177,9 +180,8 @@ def build_fashion_mnist(
     import pyarrow as pa
     import pyarrow.parquet as pq
     from datasets import ClassLabel, Features, Image
+    from demo_data import stratified_split
     from PIL import Image as PILImage
-
-    from .demo_data import stratified_split
 
     source = Path(source)
     files = {
@@ -189,8 +191,9 @@ def build_fashion_mnist(
     missing = [name for pair in files.values() for name in pair if not (source / name).is_file()]
     if missing:
         raise FileNotFoundError(
-            f"Fashion-MNIST idx files not found in {source} ({', '.join(missing)}); on Debian: "
-            "apt-get install fashion-mnist, or pass --fashion_mnist DIR"
+            f"Fashion-MNIST idx files not found in {source} ({', '.join(missing)}): install them with "
+            f"`apt-get install dataset-fashion-mnist` (Debian; it puts them in {FASHION_MNIST}) or pass "
+            "--fashion_mnist DIR, the folder that holds them"
         )
     images = {s: _read_idx(source / f[0]) for s, f in files.items()}
     labels = {s: _read_idx(source / f[1]).astype(np.int64) for s, f in files.items()}
@@ -219,7 +222,7 @@ def build_fashion_mnist(
 
 def take_subset(labels: np.ndarray, count: int, seed: int) -> np.ndarray:
     """`count` stratified positions into `labels`."""
-    from .demo_data import stratified_split
+    from demo_data import stratified_split
 
     return stratified_split(labels, (count / len(labels), 1 - count / len(labels)), seed)[0]
 
@@ -228,7 +231,7 @@ def take_subset(labels: np.ndarray, count: int, seed: int) -> np.ndarray:
 
 
 PRETRAIN_RECIPE = """\
-# Written by vit_recipes.transfer: a small ViT trained from scratch on Fashion-MNIST, the base of the transfer check.
+# Written by benchmarks/transfer.py: a small ViT trained from scratch on Fashion-MNIST, the base of the transfer check.
 model_name_or_path: null
 config_name: vit
 do_train: true
@@ -246,7 +249,7 @@ plots: false
 """
 
 FINETUNE_RECIPE = """\
-# Written by vit_recipes.transfer: fine-tune the Fashion-MNIST ViT on digits (full, --use_peft or --freeze_backbone).
+# Written by benchmarks/transfer.py: fine-tune the Fashion-MNIST ViT on digits (full, --use_peft or --freeze_backbone).
 do_train: true
 do_eval: true
 lr_scheduler_type: cosine
@@ -354,7 +357,7 @@ def pretrain(
 
 
 def finetune(work: Path, size: Size, runner: Runner, method: str, seed: int, lr: float) -> RunResult:
-    from .demo_data import build_digits
+    from demo_data import build_digits
 
     data = work / "digits"
     if not (data / "data").is_dir():

@@ -1,12 +1,12 @@
 """The strategy report: which distributed strategy to use, from benchmark records and traces.
 
-    python -m vit_recipes.strategy_report benchmarks/results --out benchmarks/STRATEGY_REPORT.md
+    python benchmarks/strategy_report.py benchmarks/results --out benchmarks/STRATEGY_REPORT.md
 
 Reads every benchmark record (JSON written by benchmarks/run.py; one record or a list per file, folders searched
-recursively; other JSON is ignored) and, where a record has a `trace_dir` holding profiler traces, the traces.
-Writes the markdown report and its charts (into STEM_files/ next to it): per model, throughput, memory per GPU,
-step-time breakdown, communication overhead, scaling efficiency and MFU per strategy, and a "use this when" line
-for each strategy.
+recursively; other JSON is ignored: report.load_records) and, where a record has a `trace_dir` holding profiler
+traces, the traces. Writes the markdown report and its charts (into STEM_files/ next to it): per model,
+throughput, memory per GPU, step-time breakdown, communication overhead, scaling efficiency and MFU per strategy,
+and a "use this when" line for each strategy (names, order and advice: the table in vit_recipes/strategies.py).
 
 Record fields used (all optional except `strategy`): name, strategy, gpus, model, per_device_batch, precision,
 gradient_checkpointing, device, command, git_commit, versions, status, failure, error, fixture, trace_dir, and
@@ -25,7 +25,6 @@ Definitions:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -35,82 +34,16 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from report import load_records  # benchmarks/report.py (this script's folder is on sys.path): one record loader
 from tqdm.auto import tqdm
+from trace_analysis import analyze  # benchmarks/trace_analysis.py
+
+from vit_recipes import strategies
 
 logger = logging.getLogger(__name__)
 
-MAX_RECORD_BYTES = 5 * 2**20  # larger JSON files are traces or states, not records
-SKIP_DIRS = {"outputs", "logs", "profiler", "runs", ".git"}
-STRATEGY_ORDER = (
-    "single",
-    "ddp",
-    "zero1",
-    "zero2",
-    "zero2_offload",
-    "zero3",
-    "zero3_offload",
-    "zeropp",
-    "fsdp",
-    "fsdp2",
-    "fsdp2_offload",
-)
-
-USE_WHEN = {
-    "single": "the model, gradients and optimizer state fit on one GPU and one GPU is fast enough: no "
-    "communication at all, simplest to debug.",
-    "ddp": "the model and optimizer state fit on every GPU: usually the fastest multi-GPU option; gradients are "
-    "all-reduced in buckets while the backward pass still runs.",
-    "zero1": "DDP fits but optimizer state is the memory problem: it is sharded across GPUs for about DDP's "
-    "communication.",
-    "zero2": "DDP fits only with a small batch: optimizer state and gradients are sharded (reduce-scatter instead of "
-    "all-reduce) for little extra communication.",
-    "zero2_offload": "ZeRO-2 still runs out of memory: optimizer state lives in CPU RAM and the optimizer steps on "
-    "the CPU; much slower, use it to make a run fit, not to go fast.",
-    "zero3": "the model itself (or the batch you need) does not fit on one GPU: parameters are sharded too and "
-    "gathered layer by layer in forward and backward, the most communication of all.",
-    "zero3_offload": "ZeRO-3 still runs out of memory: parameters and optimizer state go to CPU RAM; the slowest "
-    "option, for models that fit no other way.",
-    "zeropp": "ZeRO-3 across nodes or on a slow interconnect: quantised weight/gradient communication and "
-    "hierarchical partitioning cut the traffic.",
-    "fsdp": "you want ZeRO-3-style sharding in plain PyTorch (no DeepSpeed), e.g. with torch.compile.",
-    "fsdp2": "you want ZeRO-3-style sharding in plain PyTorch (per-parameter DTensor sharding, no DeepSpeed), "
-    "e.g. with torch.compile.",
-    "fsdp2_offload": "FSDP2 still runs out of memory: parameters and optimizer state are offloaded to CPU RAM.",
-}
-
 
 # --- Records --------------------------------------------------------------------------------------------------
-
-
-def _is_record(item) -> bool:
-    return isinstance(item, dict) and isinstance(item.get("strategy"), str) and ("metrics" in item or "status" in item)
-
-
-def load_records(paths: list[str | os.PathLike]) -> list[dict]:
-    """Benchmark records in these files/folders (recursive); `_source` is set to each record's file."""
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_file():
-            files.append(path)
-        elif path.is_dir():
-            for root, dirs, names in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
-                files += [Path(root) / n for n in sorted(names) if n.endswith(".json")]
-        else:
-            raise FileNotFoundError(f"no such file or folder: {raw}")
-    records = []
-    for file in tqdm(files, desc="reading records", leave=False):
-        if file.stat().st_size > MAX_RECORD_BYTES:
-            continue
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            continue
-        for item in data if isinstance(data, list) else [data]:
-            if _is_record(item):
-                records.append({**item, "_source": str(file)})
-    return records
 
 
 def _num(value) -> float | None:
@@ -183,7 +116,9 @@ class Run:
 
 
 def _strategy_rank(strategy: str) -> int:
-    return STRATEGY_ORDER.index(strategy) if strategy in STRATEGY_ORDER else len(STRATEGY_ORDER)
+    """The table's order; old names (fsdp) rank as what they are now, unknown ones last."""
+    name = strategies.ALIASES.get(strategy, strategy)
+    return strategies.ORDER.index(name) if name in strategies.ORDER else len(strategies.ORDER)
 
 
 def resolve_trace_dir(record: dict) -> Path | None:
@@ -201,8 +136,6 @@ def resolve_trace_dir(record: dict) -> Path | None:
 
 
 def attach_traces(runs: list[Run]) -> None:
-    from .trace_analysis import analyze
-
     for run in tqdm([r for r in runs if r.ok and r.record.get("trace_dir")], desc="reading traces", leave=False):
         folder = resolve_trace_dir(run.record)
         if folder is None:
@@ -483,7 +416,10 @@ def use_when_lines(variants: list[Variant], runs: list[Run]) -> list[str]:
                 facts.append(
                     f"{memories[v.label]:.1f} GiB per GPU{where}" + (" (the least)" if v.label == leanest else "")
                 )
-        advice = USE_WHEN.get(strategy, "the numbers above suit you.")
+        try:
+            advice = strategies.get(strategy).use_when
+        except KeyError:  # a strategy the table does not know (a record from an experiment)
+            advice = "the numbers above suit you."
         advice = f"use this when {advice}" if strategy not in seen else "when to use it: see above."
         seen.add(strategy)
         lines.append(f"- **{v.label}**: {advice} Measured: {'; '.join(facts)}.")
@@ -719,7 +655,7 @@ def markdown(
     if traced:
         lines += ["## Traces", ""]
         lines += [
-            f"- {r.name}: `{r.trace['folder']}` (full report: `python -m vit_recipes.trace_analysis {r.trace['folder']}`)"
+            f"- {r.name}: `{r.trace['folder']}` (full report: `python benchmarks/trace_analysis.py {r.trace['folder']}`)"
             for r in traced
         ]
         lines.append("")
