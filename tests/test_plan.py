@@ -99,3 +99,15 @@ def test_help_exits_0_and_shows_every_argument_group():
     assert (
         "--patch_embedding_matmul" in done.stdout and "--use_peft" in done.stdout and "--profile_steps" in done.stdout
     )
+
+
+def test_readme_strategy_table_is_the_strategy_table():
+    """README's table is copied from strategies.py: a row per strategy, with its files and what it shards."""
+    readme = (ROOT / "README.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines() if line.startswith("| `")}
+    for spec in strategies.STRATEGIES:
+        row = rows.get(spec.name)
+        assert row is not None, f"README has no row for {spec.name}"
+        for path in (spec.accelerate_config, spec.deepspeed_config):
+            assert path is None or f"`{path.split('/')[-1]}`" in row, (spec.name, path)
+        assert f"| {spec.shards} |" in row, (spec.name, spec.shards)

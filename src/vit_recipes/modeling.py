@@ -214,9 +214,7 @@ def _print_counts(method: str, counts: dict, detail: str, training_args) -> None
 
 
 def build_finetune_model(model_args, lora_args: LoraArguments, training_args, label_names: list[str]):
-    """The model to train or evaluate, its input resolution, and a `FinetuneSetup`.
-
-    """
+    """The model to train or evaluate, its input resolution, and a `FinetuneSetup`."""
     source = model_args.model_name_or_path
     if is_adapter_dir(source):
         return _build_from_adapter(model_args, lora_args, training_args, label_names)
@@ -227,12 +225,7 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
         setup.signature = base_signature(model)
         setup.base_args = model_args
         model, detail = apply_lora(model, lora_args, training_args)
-        setup.lora = {
-            "lora_r": lora_args.lora_r,
-            "lora_alpha": lora_args.lora_alpha,
-            "lora_dropout": lora_args.lora_dropout,
-            "lora_target_modules": target_names(model.peft_config["default"]),
-        }
+        setup.lora = _lora_settings(model)
     elif method == "head":
         heads = head_module_names(model)
         for name, p in model.named_parameters():
@@ -247,6 +240,17 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
     return model, image_size, setup
 
 
+def _lora_settings(peft_model) -> dict:
+    """r, alpha, dropout and target modules of a PeftModel's adapter, for the card."""
+    config = peft_model.peft_config["default"]
+    return {
+        "lora_r": config.r,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "lora_target_modules": target_names(config),
+    }
+
+
 def _build_from_adapter(model_args, lora_args, training_args, label_names):
     """A saved adapter folder as --model_name_or_path: its base with its head, then the adapter."""
     path = model_args.model_name_or_path
@@ -257,21 +261,9 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
     model, image_size = build_model(base_args, label_names)
     trainable = bool(getattr(training_args, "do_train", False))
     model = attach_adapter(model, path, is_trainable=trainable, base_source=base_args.model_name_or_path)
-    peft_config = model.peft_config["default"]
-    setup = FinetuneSetup(
-        "lora",
-        lora_args.merge_adapter,
-        base_args,
-        list(label_names),
-        parameter_counts(model),
-        signature=base_signature(model),
-        lora={
-            "lora_r": peft_config.r,
-            "lora_alpha": peft_config.lora_alpha,
-            "lora_dropout": peft_config.lora_dropout,
-            "lora_target_modules": target_names(peft_config),
-        },
-    )
+    counts, signature = parameter_counts(model), base_signature(model)
+    setup = FinetuneSetup("lora", lora_args.merge_adapter, base_args, list(label_names), counts, signature)
+    setup.lora = _lora_settings(model)
     if trainable and getattr(training_args, "gradient_checkpointing", False):
         unwrap(model).enable_input_require_grads()
     _print_counts(
