@@ -20,7 +20,7 @@ DEMO_OUT ?= outputs/digits-vit
 install: .installed
 
 demo: .installed
-	$(PYTHON) -m vit_recipes.demo_data $(DEMO_DIR)
+	$(PYTHON) tools/demo_data.py $(DEMO_DIR)
 	$(PYTHON) run_image_classification.py --config recipes/quickstart/digits.yaml \
 		--dataset_name $(DEMO_DIR) --output_dir $(DEMO_OUT) --overwrite_output_dir
 
