@@ -8,32 +8,38 @@ DEMO_OUT ?= outputs/digits-vit
 
 .PHONY: install demo test style quality clean
 
+# What a run needs, and scikit-learn for the demo's data.
 .installed: setup.cfg pyproject.toml
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install -e ".[dev,demo]"
-# DeepSpeed without prebuilt ops and without build isolation: an isolated build would fetch a CUDA torch.
-	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.19.8"
-# CPU-only machines: compile DeepSpeed's shared-memory collective now, not in the first test (no-op on GPUs).
-	$(PYTHON) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	$(PIP) install -e ".[demo]"
 	@touch .installed
 
-install: .installed
+# What the tests need on top: dev tools, torchao (tests/test_fp8.py emulates FP8 on the CPU) and DeepSpeed.
+.installed-test: .installed
+	$(PIP) install -e ".[dev,demo,fp8]"
+# DeepSpeed without prebuilt ops and without build isolation: an isolated build would fetch a CUDA torch.
+	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.19.8,<1"
+# CPU-only machines: compile DeepSpeed's shared-memory collective now, not in the first test (no-op on GPUs).
+	$(PYTHON) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	@touch .installed-test
+
+install: .installed-test
 
 demo: .installed
 	$(PYTHON) tools/demo_data.py $(DEMO_DIR)
 	$(PYTHON) run_image_classification.py --config recipes/quickstart/digits.yaml \
 		--dataset_name $(DEMO_DIR) --output_dir $(DEMO_OUT) --overwrite_output_dir
 
-test: .installed
+test: .installed-test
 	$(PYTHON) -m pytest tests -q
 
-style: .installed
+style: .installed-test
 	ruff format .
 	ruff check --fix .
 
-quality: .installed
+quality: .installed-test
 	ruff format --check .
 	ruff check .
 
 clean:
-	rm -rf .installed build dist src/*.egg-info outputs .pytest_cache .ruff_cache
+	rm -rf .installed .installed-test build dist src/*.egg-info outputs .pytest_cache .ruff_cache
