@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .errors import RecipeError
 from .launch import visible_gpus
+from .memory import host_memory_for, model_shape_from_args
 
 AUTO = "auto"
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
@@ -175,8 +176,6 @@ def _check_deepspeed(plan, t) -> None:
 def check_host_memory(strategy, model_args) -> None:
     """Offloading keeps optimizer states (and maybe parameters) in host RAM: refuse when it cannot fit."""
     import psutil
-
-    from .memory import host_memory_for, model_shape_from_args
 
     shape = model_shape_from_args(model_args)
     if shape is None:  # no config to read yet (e.g. an uncached Hub id): build_model reports that
