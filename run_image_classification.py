@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     # 1. Arguments: recipe YAML, overridden by the command line. Processes are counted against GPUs first:
     #    building TrainingArguments starts the process group.
     args = parse_args(argv, before_process_group=launch.check_processes)
-    launch.remove_shm_buffer_at_exit()  # DeepSpeed on CPUs leaves a shared-memory buffer per rank otherwise
+    launch.remove_shm_buffer_at_exit()  # DeepSpeed on CPUs leaves a shared-memory buffer per rank (and killed ranks)
     training = args.training
     setup_logging(training)
     check_push_ready(training)

@@ -13,6 +13,8 @@ import glob
 import json
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from .errors import RecipeError
@@ -72,7 +74,45 @@ def check_plan(plan, args) -> None:
         check_host_memory(strategy, args.model)
     if getattr(t, "fp8", False):
         check_fp8(cpu)
-    check_resume(strategy, plan.resume_from)
+    check_resume(strategy, plan.resume_from)  # before the output dir's refusal: it says more about ZeRO shards
+    if plan.output.refusal:
+        raise RecipeError(plan.output.refusal)
+    if t.process_index == 0:
+        check_output_dir(t, args.model)
+
+
+def check_output_dir(training_args, model_args) -> None:
+    """The output directory is writable and, for training, has room for what the run saves (before data loads)."""
+    out = Path(training_args.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise RecipeError(
+            f"output_dir {out} is not writable ({err.strerror or err}): choose another --output_dir"
+        ) from None
+    weights = _local_weights_bytes(model_args.model_name_or_path)
+    if not (training_args.do_train and weights):
+        return
+    # A checkpoint holds the weights and Adam's two moments (fp32 each); the final model the weights alone.
+    checkpoints = str(getattr(training_args.save_strategy, "value", training_args.save_strategy)) != "no"
+    needed = weights * (3 if checkpoints else 1)
+    free = shutil.disk_usage(out).free
+    if free < needed:
+        what = "a checkpoint" if checkpoints else "the final model"
+        raise RecipeError(
+            f"output_dir {out} has {free / 2**30:.1f} GiB free and {what} of this model needs about "
+            f"{needed / 2**30:.1f} GiB: free space or choose another --output_dir"
+        )
+
+
+def _local_weights_bytes(source: str | None) -> int:
+    """Size of a local checkpoint's weight files (0 when not local: a Hub id, or training from scratch)."""
+    folder = Path(os.path.expanduser(source)) if source else None
+    if folder is None or not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
 def gpu_bf16_ok() -> bool:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import logging
 import os
+import time
 
 from .errors import RecipeError
+
+logger = logging.getLogger(__name__)
 
 SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"  # DeepSpeed's shm comm op (csrc/cpu/comm/shm.cpp)
 
@@ -46,14 +50,45 @@ def check_processes(use_cpu: bool) -> None:
         )
 
 
+def remove_stale_shm_buffers(min_age_s: float = 60.0) -> list[str]:
+    """Delete DeepSpeed CPU all-reduce buffers that no process has mapped: what killed ranks left behind.
+
+    A rank that exits removes its own buffer (`remove_shm_buffer_at_exit`); one killed (kill -9, the OOM killer)
+    cannot. At the start of a run, before this run creates any, a buffer that no live process maps and that is older
+    than `min_age_s` (another job may be about to map a new one) is stale. Returns what was removed, and logs it.
+    """
+    buffers = glob.glob(f"{SHM_BUFFER_PREFIX}*")
+    if not buffers:
+        return []
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        # Processes come and go, and others' maps may be unreadable.
+        with contextlib.suppress(OSError), open(maps) as f:
+            mapped.update(line.split()[-1] for line in f if SHM_BUFFER_PREFIX in line)
+    removed = []
+    for path in buffers:
+        with contextlib.suppress(OSError):
+            if path not in mapped and time.time() - os.path.getmtime(path) > min_age_s:
+                os.unlink(path)
+                removed.append(path)
+    if removed:
+        logger.warning(
+            "Removed %d DeepSpeed buffer(s) that killed ranks left in /dev/shm: %s", len(removed), ", ".join(removed)
+        )
+    return removed
+
+
 def remove_shm_buffer_at_exit() -> None:
-    """Have this rank delete DeepSpeed's CPU all-reduce buffer when the process exits.
+    """Have this rank delete DeepSpeed's CPU all-reduce buffer when the process exits (and, on each machine's first
+    rank, the buffers killed ranks left).
 
     DeepSpeed's shared-memory all-reduce (the shm comm op `make install` builds for CPU runs) creates one 69 MB file
     per rank, `/dev/shm/deepspeed_allreduce_buffer_<n>_<addr>_<port>_<rank>`, and never unlinks it: each CPU
     DeepSpeed run left 138 MB behind until reboot. Unlinking at exit is safe: ranks that mapped the buffer keep
     their mapping.
     """
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        remove_stale_shm_buffers()
     rank, port = os.environ.get("RANK"), os.environ.get("MASTER_PORT")
     if rank is None or port is None:
         return

@@ -23,7 +23,7 @@ from .checks import check_plan, config_value, is_true
 from .errors import RecipeError
 from .launch import bind_deepspeed_comm, env_int
 from .lora import is_adapter_dir
-from .run_dir import OutputState, resolve_output_dir
+from .run_dir import OutputState, remove_checkpoints, resolve_output_dir
 from .strategies import StrategySpec
 
 logger = logging.getLogger(__name__)
@@ -202,8 +202,8 @@ class RunPlan:
     global_batch: int
     """Images per optimizer step over all processes: per-device batch x accumulation x world size."""
     output: OutputState
-    """What the output directory holds: a fresh start, a run to resume (and from which checkpoint), or an
-    overwrite."""
+    """What the output directory holds: a fresh start, a run to resume (and from which checkpoint), an overwrite,
+    or something to refuse (checks.py raises it)."""
     identity: dict[str, Any]
     """The settings that make this run this run (run_config.json): another run's output_dir is refused."""
 
@@ -216,12 +216,20 @@ def build_plan(args: RunArguments) -> RunPlan:
     """Derive the plan from parsed arguments and refuse, in one line, anything that could only fail later."""
     t = args.training
     strategy = read_strategy(t)
-    identity = run_config(args)
+    global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * strategy.world_size
+    # What makes a checkpoint this run's: a checkpoint written under other settings is refused on auto-resume.
+    identity = {
+        **run_config(args),
+        "strategy": strategy.name,
+        "world_size": strategy.world_size,
+        "global_batch": global_batch,
+        "recipe": args.recipe,
+    }
     plan = RunPlan(
         strategy=strategy,
         precision=precision_of(t),
         device=device_kind(t),
-        global_batch=t.per_device_train_batch_size * t.gradient_accumulation_steps * strategy.world_size,
+        global_batch=global_batch,
         output=resolve_output_dir(t, identity),
         identity=identity,
     )
@@ -243,6 +251,8 @@ def build_plan(args: RunArguments) -> RunPlan:
 def configure(plan: RunPlan, args: RunArguments) -> None:
     """Apply what the plan decided to the settings accelerate, the Trainer and DeepSpeed read later."""
     t, strategy = args.training, plan.strategy
+    if plan.output.stale_checkpoints and t.process_index == 0:
+        remove_checkpoints(plan.output.stale_checkpoints)  # a new run must never resume the old run's state
     frozen_backbone = args.lora.method != "full" or is_adapter_dir(args.model.model_name_or_path)
     if frozen_backbone and t.ddp_find_unused_parameters is None:
         # Every trainable parameter is used in each step; True would cost a graph walk per step and breaks reentrant

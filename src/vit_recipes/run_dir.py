@@ -1,19 +1,26 @@
-"""The output directory holds one run: resume it, or refuse to mix another run into it. Never overwrite silently."""
+"""The output directory holds one run: resume it, or refuse to mix another run into it. Never overwrite silently.
+
+Each checkpoint belongs to the run that wrote it: `run_identity.json`, written into `checkpoint-N` last, once every
+rank's files are on disk, records that run. A checkpoint without it is incomplete (a crash or a full disk mid-save)
+and auto-resume skips it, saying so; one with another run's identity is refused.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-from transformers.trainer_utils import get_last_checkpoint
-
-from .errors import RecipeError
 
 logger = logging.getLogger(__name__)
 
 RUN_FILE = "run_config.json"
+CHECKPOINT_RECORD = "run_identity.json"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
 
 
 @dataclass(frozen=True)
@@ -21,49 +28,122 @@ class OutputState:
     """What to do with the output directory."""
 
     state: str
-    """"fresh" (nothing there, or not training), "resume" (this run's own checkpoint) or "overwrite"."""
+    """"fresh" (nothing there, or not training), "resume" (this run's own checkpoint), "overwrite", or "refuse"
+    (another run, a finished run, a foreign folder: `refusal` says which, and checks.py raises it)."""
     resume_from: str | None = None
-    """The checkpoint folder training resumes from."""
+    """The checkpoint folder training resumes from (with "refuse": the one it would have resumed)."""
+    stale_checkpoints: tuple[str, ...] = ()
+    """With "overwrite": the previous run's checkpoint folders, removed before training (plan.configure)."""
+    refusal: str | None = None
+    """With "refuse": the one line that says why and what to do."""
+
+
+def checkpoints(folder: str | os.PathLike) -> list[Path]:
+    """`checkpoint-N` folders in `folder`, newest (highest step) first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := CHECKPOINT.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def written_by_us(checkpoint: Path) -> bool:
+    """A checkpoint folder the Trainer or this project wrote (foreign folders are never touched)."""
+    return (checkpoint / CHECKPOINT_RECORD).is_file() or (checkpoint / TRAINER_STATE).is_file()
+
+
+def mark_complete(checkpoint: str | os.PathLike, identity: dict) -> None:
+    """Record that `checkpoint` is complete and which run wrote it (atomically: a crash leaves no half record)."""
+    path = Path(checkpoint) / CHECKPOINT_RECORD
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(identity, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _differences(saved: dict, now: dict) -> list[str]:
+    return [
+        f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k)
+    ]
 
 
 def resolve_output_dir(training_args, run: dict) -> OutputState:
-    """Which checkpoint to resume from, if any. Raises when output_dir holds something else."""
+    """What the output directory holds for this run: nothing, this run to resume, or something to refuse."""
     if not training_args.do_train:
         return OutputState("fresh")
     out = Path(training_args.output_dir)
     explicit = training_args.resume_from_checkpoint
-    if explicit and not Path(explicit).is_dir():
-        raise RecipeError(f"--resume_from_checkpoint {explicit} is not a checkpoint folder")
+    if explicit:
+        # --resume_from_checkpoint resumes whichever run wrote it ("resume anyway"); it must be complete.
+        if not (Path(explicit) / TRAINER_STATE).is_file():
+            return OutputState(
+                "refuse",
+                refusal=f"--resume_from_checkpoint {explicit} is not a complete checkpoint (no {TRAINER_STATE}): "
+                "pass a checkpoint-N folder a run finished writing, or drop the flag to start fresh",
+            )
+        record = Path(explicit) / CHECKPOINT_RECORD
+        if record.is_file() and (changed := _differences(json.loads(record.read_text()), run)):
+            logger.warning("Resuming %s, written by another run (%s), as asked", explicit, "; ".join(changed))
+        return OutputState("resume", explicit)
     if not out.is_dir() or not any(out.iterdir()):
-        return OutputState("resume" if explicit else "fresh", explicit)
+        return OutputState("fresh")
     if training_args.overwrite_output_dir:
-        return OutputState("overwrite", explicit)
+        stale = tuple(str(c) for c in checkpoints(out) if written_by_us(c))
+        return OutputState("overwrite", None, stale)
     saved_file = out / RUN_FILE
     if not saved_file.is_file():
-        raise RecipeError(
-            f"output_dir {out} is not empty and holds no run of this script; choose another "
-            "--output_dir or pass --overwrite_output_dir"
+        return OutputState(
+            "refuse",
+            refusal=f"output_dir {out} is not empty and holds no run of this script; choose another --output_dir "
+            "or pass --overwrite_output_dir",
         )
-    saved = json.loads(saved_file.read_text())
-    changed = [k for k in sorted(set(saved) | set(run)) if saved.get(k) != run.get(k)]
+    found = checkpoints(out)
+    complete = next((c for c in found if (c / CHECKPOINT_RECORD).is_file()), None)
+    skipped = [c.name for c in found[: found.index(complete) if complete else len(found)]]
+    if skipped:
+        logger.warning(
+            "Skipping %s in %s: no %s, so the save did not finish (or predates this record; pass "
+            "--resume_from_checkpoint to use one anyway)",
+            ", ".join(skipped),
+            out,
+            CHECKPOINT_RECORD,
+        )
+    candidate = str(complete) if complete else None
+    changed = _differences(json.loads(saved_file.read_text()), run)
     if changed:
-        key = changed[0]
-        raise RecipeError(
-            f"output_dir {out} holds a different run ({key}: {saved.get(key)!r} there, "
-            f"{run.get(key)!r} now); choose another --output_dir or pass --overwrite_output_dir"
+        return OutputState(
+            "refuse",
+            candidate,
+            refusal=f"output_dir {out} holds a different run ({changed[0]}); choose another --output_dir or pass "
+            "--overwrite_output_dir",
         )
-    if explicit:
-        return OutputState("resume", explicit)
-    last = get_last_checkpoint(str(out))
-    if last:
-        logger.info("Resuming the run found in %s from %s", out, last)
-        return OutputState("resume", last)
+    if complete:
+        changed = _differences(json.loads((complete / CHECKPOINT_RECORD).read_text()), run)
+        if changed:
+            return OutputState(
+                "refuse",
+                candidate,
+                refusal=f"{complete} was written by another run ({changed[0]}): resume it anyway with "
+                f"--resume_from_checkpoint {complete}, or start fresh with --overwrite_output_dir (which removes "
+                "the old run's checkpoints)",
+            )
+        logger.info("Resuming the run found in %s from %s", out, complete)
+        return OutputState("resume", candidate)
     if (out / "all_results.json").is_file():
-        raise RecipeError(
-            f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to "
-            "train again or choose another --output_dir"
+        return OutputState(
+            "refuse",
+            refusal=f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to train "
+            "again or choose another --output_dir",
         )
     return OutputState("fresh")
+
+
+def remove_checkpoints(paths: tuple[str, ...]) -> None:
+    """Remove a previous run's checkpoint folders (--overwrite_output_dir), naming each."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.warning("--overwrite_output_dir: removed the previous run's %s", path)
 
 
 def record_run(output_dir: str, run: dict) -> None:

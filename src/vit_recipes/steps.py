@@ -98,6 +98,7 @@ def build_trainer(
         if training.push_to_hub:  # the Trainer creates the Hub repository up front
             raise RecipeError(hub_error_message(err, "create the model repository")) from None
         raise
+    trainer.run_identity = plan.identity
     check_adapter_strategy(trainer, finetune)  # LoRA under FSDP/ZeRO-3: set-ups that could not save the adapter
     drop_zero3_leaf_modules(trainer, finetune)
     attach_rank_report(trainer, plan.precision)  # VIT_RECIPES_DEBUG_RANK_REPORT=1: each rank reports what it ran

@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 from transformers import PreTrainedModel, Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .adapters import without_activation_wrappers
 from .card import write_model_card
+from .run_dir import mark_complete
 
 
 class ImageClassificationTrainer(Trainer):
@@ -30,6 +32,7 @@ class ImageClassificationTrainer(Trainer):
         self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
         self.mixup = mixup
         self.card = None  # card.CardInfo, set once the run's results are known
+        self.run_identity: dict = {}  # the plan's identity, recorded in every checkpoint (run_dir.py)
         # Which transform a batch gets: set by training_step / prediction_step, not read off self.model.training,
         # because accelerate's regional compilation trains a copy of the top module and self.model stays in eval
         # mode (seen: --torch_compile_regions trained on un-augmented images).
@@ -113,6 +116,15 @@ class ImageClassificationTrainer(Trainer):
             else:
                 loss = logits.new_zeros(())
         return (loss, outputs) if return_outputs else loss
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        # Every rank's files are on disk before the record that makes the checkpoint complete (run_dir.py): a crash
+        # or a full disk before this line leaves a folder auto-resume skips instead of one it fails on.
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            mark_complete(folder, self.run_identity)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # transformers 5.2x saves ViT under its original key names but resumes with a raw load_state_dict, which

@@ -1,0 +1,149 @@
+"""Checkpoints belong to the run that wrote them, and a half-written one never blocks the next run."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import run_args
+from safetensors.torch import load_file
+
+from vit_recipes.errors import RecipeError
+from vit_recipes.run_dir import CHECKPOINT_RECORD
+
+pytestmark = pytest.mark.slow
+SAVE_EVERY_2 = ("--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "5", "--do_eval", "false")
+
+
+def args(data, model, out, *extra):
+    return run_args(data, model, out, "--lr_scheduler_type", "constant", "--crop_scale_min", "0.5", *extra)
+
+
+def test_every_checkpoint_records_the_run_that_wrote_it(cifar_like, tiny_vit, tmp_path, run_script):
+    out = tmp_path / "run"
+    run_script(*args(cifar_like, tiny_vit, out, "--max_steps", "4", *SAVE_EVERY_2))
+    for step in (2, 4):
+        record = json.loads((out / f"checkpoint-{step}" / CHECKPOINT_RECORD).read_text())
+        assert record == json.loads((out / "run_config.json").read_text())
+        assert record["seed"] == 42 and record["strategy"] == "single" and record["global_batch"] == 8
+
+
+def test_overwrite_removes_the_old_runs_checkpoints_so_a_new_run_never_resumes_them(
+    cifar_like, tiny_vit, tmp_path, run_script, capsys
+):
+    """The stale-checkpoint case: seed 42 left checkpoint-2/4; --overwrite_output_dir with seed 7 must not keep them
+    for the same command to resume later."""
+    out = tmp_path / "run"
+    run_script(*args(cifar_like, tiny_vit, out, "--max_steps", "4", *SAVE_EVERY_2))
+    (out / "notes.txt").write_text("the user's own file")
+    (out / "checkpoint-9").mkdir()  # not a checkpoint this project wrote: left alone
+    seven = ("--max_steps", "1", "--seed", "7", "--save_strategy", "no", "--do_eval", "false")
+    run_script(*args(cifar_like, tiny_vit, out, *seven, "--overwrite_output_dir", "true"))
+    assert not (out / "checkpoint-2").exists() and not (out / "checkpoint-4").exists()
+    assert (out / "notes.txt").read_text() == "the user's own file" and (out / "checkpoint-9").is_dir()
+    assert "--overwrite_output_dir: removed the previous run's" in capsys.readouterr().out  # the script's log
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 1  # trained from scratch, not from the seed-42 checkpoint-4
+
+
+def test_a_checkpoint_of_another_run_is_refused_with_the_way_out(cifar_like, tiny_vit, tmp_path, run_script):
+    out = tmp_path / "run"
+    run_script(*args(cifar_like, tiny_vit, out, "--max_steps", "2", *SAVE_EVERY_2))
+    record = out / "checkpoint-2" / CHECKPOINT_RECORD
+    record.write_text(json.dumps({**json.loads(record.read_text()), "seed": 1}))  # as if another run wrote it
+    (out / "all_results.json").unlink()
+    with pytest.raises(RecipeError, match=r"checkpoint-2 was written by another run \(seed: 1 there, 42 now\): "
+                       r"resume it anyway with --resume_from_checkpoint .*checkpoint-2, or start fresh"):  # fmt: skip
+        run_script(*args(cifar_like, tiny_vit, out, "--max_steps", "4", *SAVE_EVERY_2))
+    resumed = run_script(
+        *args(
+            cifar_like,
+            tiny_vit,
+            out,
+            "--max_steps",
+            "4",
+            *SAVE_EVERY_2,
+            "--resume_from_checkpoint",
+            out / "checkpoint-2",
+        )
+    )
+    assert resumed["train_loss"] > 0 and json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_half_written_checkpoints_are_skipped_and_the_run_ends_as_if_never_stopped(
+    cifar_like, tiny_vit, tmp_path, run_script, capsys
+):
+    """kill -9 mid-save leaves a checkpoint folder without its record (here: checkpoint-4 cut short, checkpoint-6
+    with config.json alone): the same command resumes from checkpoint-2 and ends with the uninterrupted weights."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_script(*args(cifar_like, tiny_vit, straight, "--max_steps", "6", *SAVE_EVERY_2))
+    run_script(*args(cifar_like, tiny_vit, stopped, "--max_steps", "4", *SAVE_EVERY_2))
+    (stopped / "checkpoint-4" / CHECKPOINT_RECORD).unlink()
+    weights = stopped / "checkpoint-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short: resuming from it would fail
+    (stopped / "checkpoint-6").mkdir()
+    shutil.copy(stopped / "config.json", stopped / "checkpoint-6" / "config.json")
+    (stopped / "all_results.json").unlink()  # the run died before its end
+    capsys.readouterr()
+    run_script(*args(cifar_like, tiny_vit, stopped, "--max_steps", "6", *SAVE_EVERY_2))
+    log = capsys.readouterr().out
+    assert "Skipping checkpoint-6, checkpoint-4" in log
+    a, b = load_file(straight / "model.safetensors"), load_file(stopped / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_resuming_an_incomplete_checkpoint_by_hand_is_one_line(cifar_like, tiny_vit, tmp_path, run_script):
+    half = tmp_path / "checkpoint-5"
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    with pytest.raises(RecipeError, match=r"checkpoint-5 is not a complete checkpoint \(no trainer_state.json\)"):
+        run_script(*args(cifar_like, tiny_vit, tmp_path / "out", "--resume_from_checkpoint", half))
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_any_data_is_read(tiny_vit, tmp_path, run_script):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(RecipeError, match=r"output_dir .*a_file/out is not writable \(Not a directory\)"):
+        run_script(*args("./no/such/data", tiny_vit, blocker / "out"))  # the data path is never read
+
+
+def test_an_output_dir_without_room_for_a_checkpoint_is_refused(tiny_vit, tmp_path, run_script, monkeypatch):
+    import collections
+
+    from vit_recipes import checks
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checks.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1024, 1024))
+    with pytest.raises(RecipeError, match=r"has 0.0 GiB free and a checkpoint of this model needs about .* GiB"):
+        run_script(*args("./no/such/data", tiny_vit, tmp_path / "out", "--save_strategy", "steps"))
+    with pytest.raises(RecipeError, match=r"and the final model of this model needs about"):
+        run_script(*args("./no/such/data", tiny_vit, tmp_path / "out"))  # save_strategy no: the final model alone
+
+
+def test_buffers_killed_ranks_left_in_dev_shm_are_removed_at_the_next_start(tmp_path):
+    """A rank killed with -9 cannot remove its 69 MB DeepSpeed buffer; the next run's start does, unless a live
+    process maps it or it is new (another job may be about to map it)."""
+    import mmap
+    import os
+    import time
+
+    from vit_recipes.launch import SHM_BUFFER_PREFIX, remove_stale_shm_buffers
+
+    name = f"{SHM_BUFFER_PREFIX}test_{os.getpid()}"
+    stale, mapped, new = f"{name}_stale", f"{name}_mapped", f"{name}_new"
+    for path in (stale, mapped, new):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    old = time.time() - 3600
+    for path in (stale, mapped):
+        os.utime(path, (old, old))
+    with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        try:
+            removed = remove_stale_shm_buffers()
+            assert stale in removed and not os.path.exists(stale)
+            assert os.path.exists(mapped) and os.path.exists(new)
+        finally:
+            for path in (stale, mapped, new):
+                if os.path.exists(path):
+                    os.unlink(path)
