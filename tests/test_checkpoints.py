@@ -147,3 +147,58 @@ def test_buffers_killed_ranks_left_in_dev_shm_are_removed_at_the_next_start(tmp_
             for path in (stale, mapped, new):
                 if os.path.exists(path):
                     os.unlink(path)
+
+
+# ------------------------------------------------------------------------------------------ fault injection
+
+FAULTS = [  # (where tests/fault_worker.py kills the run with -9, at which global step)
+    ("mid_step", 3),
+    ("checkpoint_model", 4),
+    ("checkpoint_optimizer", 4),
+    ("checkpoint_state", 4),
+    ("final_save", 6),
+    ("final_outputs", 6),
+]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cifar_like, tiny_vit, tmp_path_factory):
+    """The 6-step run the killed-and-rerun ones must end as."""
+    import run_image_classification
+
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    results = run_image_classification.main(
+        [str(a) for a in args(cifar_like, tiny_vit, out, "--max_steps", "6", *SAVE_EVERY_2)]
+    )
+    return out, results
+
+
+@pytest.mark.parametrize("point, step", FAULTS, ids=[p for p, _ in FAULTS])
+def test_killed_anywhere_the_same_command_ends_as_the_uninterrupted_run(
+    point, step, uninterrupted, cifar_like, tiny_vit, tmp_path, run_script
+):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "run"
+    command = [str(a) for a in args(cifar_like, tiny_vit, out, "--max_steps", "6", *SAVE_EVERY_2)]
+    killed = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "fault_worker.py"), point, str(step), *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
+    assert not (out / "all_results.json").exists()
+    results = run_script(*command)  # the same command again
+    reference, expected = uninterrupted
+    a, b = load_file(reference / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key  # on the CPU: exactly the same weights
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 6
+    assert results["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-6)  # the whole run's mean

@@ -60,6 +60,23 @@ def mark_complete(checkpoint: str | os.PathLike, identity: dict) -> None:
     os.replace(tmp, path)
 
 
+LOSS_RECORD = "train_loss.json"
+
+
+def write_loss_record(checkpoint: str | os.PathLike, loss_sum: float, steps: int) -> None:
+    """The training loss summed over every step up to this checkpoint (resumes then report the whole run's mean)."""
+    (Path(checkpoint) / LOSS_RECORD).write_text(json.dumps({"loss_sum": loss_sum, "steps": steps}) + "\n")
+
+
+def read_loss_record(checkpoint: str | os.PathLike | None) -> tuple[float, int] | None:
+    """(loss sum, steps) a checkpoint recorded, None when it has no record (not ours, or older)."""
+    path = Path(checkpoint) / LOSS_RECORD if checkpoint else None
+    if path is None or not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return float(record["loss_sum"]), int(record["steps"])
+
+
 def _differences(saved: dict, now: dict) -> list[str]:
     return [
         f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now"

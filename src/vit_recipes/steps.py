@@ -30,7 +30,7 @@ from .plan import RunPlan
 from .plots import write_plots
 from .rank_report import attach_rank_report
 from .reports import write_reports
-from .run_dir import record_run
+from .run_dir import LOSS_RECORD, read_loss_record, record_run
 from .trainer import ImageClassificationTrainer
 from .transforms import build_mixup, build_transforms
 
@@ -115,10 +115,17 @@ def train(
     if trainer.is_world_process_zero():
         record_run(output_dir, plan.identity)
         write_skipped(splits, output_dir)
+    before = read_loss_record(plan.resume_from)
+    if before:
+        trainer.loss_sum = before[0]
+    elif plan.resume_from:
+        logger.warning("%s has no %s: train_loss covers the steps after it only", plan.resume_from, LOSS_RECORD)
     train_result = trainer.train(resume_from_checkpoint=plan.resume_from)
     # Under DeepSpeed/FSDP this gathers a plain, loadable model; LoRA: the adapter, or the merged model.
     save_final_model(trainer, finetune)
     metrics = {**train_result.metrics, **meter.metrics(), **finetune.metrics}  # + trainable/total parameters
+    if before and trainer.state.global_step:  # the whole run's mean, not the mean since the resume
+        metrics["train_loss"] = float(trainer.loss_sum) / trainer.state.global_step
     metrics["data_decode_seconds"] = round(decode_seconds, 3)  # first run: decoding; later runs: the disk cache
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)

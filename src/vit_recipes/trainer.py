@@ -8,13 +8,26 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
-from transformers import PreTrainedModel, Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .adapters import without_activation_wrappers
 from .card import write_model_card
-from .run_dir import mark_complete
+from .run_dir import mark_complete, write_loss_record
+
+
+class _NothingLeftToTrain(Exception):
+    """Raised before a step when the resumed checkpoint already holds the run's last one."""
+
+
+class _StopAtTheLastStep(TrainerCallback):
+    """Resumed from a checkpoint of the run's last step, the Trainer still trains one step more (it checks the step
+    count after a step, not before): a run killed during its final save ended at max_steps + 1 when rerun."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.max_steps and state.global_step >= state.max_steps:
+            raise _NothingLeftToTrain
 
 
 class ImageClassificationTrainer(Trainer):
@@ -33,14 +46,25 @@ class ImageClassificationTrainer(Trainer):
         self.mixup = mixup
         self.card = None  # card.CardInfo, set once the run's results are known
         self.run_identity: dict = {}  # the plan's identity, recorded in every checkpoint (run_dir.py)
+        # The sum of training_step losses since step 0, resumes included (the Trainer's own train_loss averages only
+        # the steps after a resume): restored from a checkpoint's train_loss.json by steps.train.
+        self.loss_sum = 0.0
         # Which transform a batch gets: set by training_step / prediction_step, not read off self.model.training,
         # because accelerate's regional compilation trains a copy of the top module and self.model stays in eval
         # mode (seen: --torch_compile_regions trained on un-augmented images).
         self._training_batch = False
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
+        self.add_callback(_StopAtTheLastStep())
         # Profiler regions (profiling.py): data, augment, forward, backward here; optimizer_step in ProfilerCallback.
         self.accelerator.backward = _labelled("backward", self.accelerator.backward)  # DeepSpeed: + optimizer step
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next
+            self.is_in_train = False
+            return TrainOutput(self.state.global_step, 0.0, {})
 
     def release_dataloaders(self) -> int:
         """Stop every DataLoader's worker processes now; returns how many pools were stopped.
@@ -81,7 +105,9 @@ class ImageClassificationTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._training_batch = True
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.loss_sum = loss.detach() + self.loss_sum  # stays on the device: no synchronisation per step
+        return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self._training_batch = False
@@ -121,9 +147,11 @@ class ImageClassificationTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         # Every rank's files are on disk before the record that makes the checkpoint complete (run_dir.py): a crash
         # or a full disk before this line leaves a folder auto-resume skips instead of one it fails on.
+        folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        loss_sum = float(self.loss_sum)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            write_loss_record(folder, loss_sum, self.state.global_step)
             mark_complete(folder, self.run_identity)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
