@@ -1,6 +1,7 @@
 """run_image_classification.py with a kill -9 at one point of the run, for the fault-injection tests.
 
     python tests/fault_worker.py POINT STEP SCRIPT_ARGS...
+    deepspeed --num_gpus 2 tests/fault_worker.py POINT STEP SCRIPT_ARGS...     (every rank kills itself)
 
 POINT names where the process kills itself (SIGKILL: no cleanup, no atexit), at global step STEP:
 - mid_step: inside a training step, after the forward and backward, before the optimizer step;
@@ -22,7 +23,10 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-point, step, script_args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+# The `deepspeed` launcher puts --local_rank=N first: hand it on to the script.
+local_rank = [a for a in sys.argv[1:] if a.startswith("--local_rank")]
+rest = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+point, step, script_args = rest[0], int(rest[1]), rest[2:] + local_rank
 
 
 def die():

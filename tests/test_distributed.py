@@ -914,3 +914,28 @@ def test_fsdp_wraps_layers_that_exist_in_vit():
             "fsdp_transformer_layer_cls_to_wrap"
         ]
         assert wrap == "ViTLayer" and get_module_class_from_name(model, wrap) is not None, name
+
+
+@pytest.mark.slow
+def test_zero2_killed_mid_checkpoint_then_the_same_command_matches_the_uninterrupted_run(
+    zero2_run, ten_classes, same_head_vit, tmp_path
+):
+    """Both ranks killed (-9) while writing checkpoint-20 (optimizer shards on disk, no trainer state or record):
+    the same `deepspeed` command resumes from checkpoint-10, ends with the uninterrupted run's weights and loss, and
+    removes the buffers the killed ranks left in /dev/shm (the autouse check above)."""
+    out = tmp_path / "run"
+    args = run_args(ten_classes, same_head_vit, out, "--deepspeed", "ds_configs/zero2.json",
+                    "--per_device_train_batch_size", 4, "--save_strategy", "steps", "--save_steps", 10)  # fmt: skip
+    command = [tool("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    killed = subprocess.run(
+        [*command, "tests/fault_worker.py", "checkpoint_optimizer", str(STEPS), *map(str, args)],
+        cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert killed.returncode != 0 and (out / "checkpoint-20").is_dir() and not (out / "all_results.json").exists()
+    launch("zero2 rerun", [tool("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                           "run_image_classification.py", *map(str, args)])  # fmt: skip
+    a, b = load_file(out / "model.safetensors"), load_file(zero2_run / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+    done, reference = (json.loads((o / "all_results.json").read_text()) for o in (out, zero2_run))
+    assert done["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)

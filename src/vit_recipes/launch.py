@@ -50,7 +50,7 @@ def check_processes(use_cpu: bool) -> None:
         )
 
 
-def remove_stale_shm_buffers(min_age_s: float = 60.0) -> list[str]:
+def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:
     """Delete DeepSpeed CPU all-reduce buffers that no process has mapped: what killed ranks left behind.
 
     A rank that exits removes its own buffer (`remove_shm_buffer_at_exit`); one killed (kill -9, the OOM killer)

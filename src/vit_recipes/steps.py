@@ -125,7 +125,7 @@ def train(
     save_final_model(trainer, finetune)
     metrics = {**train_result.metrics, **meter.metrics(), **finetune.metrics}  # + trainable/total parameters
     if before and trainer.state.global_step:  # the whole run's mean, not the mean since the resume
-        metrics["train_loss"] = float(trainer.loss_sum) / trainer.state.global_step
+        metrics["train_loss"] = trainer.mean_loss_sum() / trainer.state.global_step
     metrics["data_decode_seconds"] = round(decode_seconds, 3)  # first run: decoding; later runs: the disk cache
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)

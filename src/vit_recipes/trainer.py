@@ -66,6 +66,11 @@ class ImageClassificationTrainer(Trainer):
             self.is_in_train = False
             return TrainOutput(self.state.global_step, 0.0, {})
 
+    def mean_loss_sum(self) -> float:
+        """`loss_sum` averaged over the ranks, as the Trainer's train_loss averages them (a collective: every rank)."""
+        total = torch.as_tensor(self.loss_sum, dtype=torch.float32, device=self.args.device)
+        return float(self.accelerator.reduce(total, reduction="mean"))
+
     def release_dataloaders(self) -> int:
         """Stop every DataLoader's worker processes now; returns how many pools were stopped.
 
@@ -148,7 +153,7 @@ class ImageClassificationTrainer(Trainer):
         # Every rank's files are on disk before the record that makes the checkpoint complete (run_dir.py): a crash
         # or a full disk before this line leaves a folder auto-resume skips instead of one it fails on.
         folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        loss_sum = float(self.loss_sum)
+        loss_sum = self.mean_loss_sum()
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             write_loss_record(folder, loss_sum, self.state.global_step)
