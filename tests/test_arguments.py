@@ -72,6 +72,8 @@ def test_missing_recipe(tmp_path):
     "flags, message",
     [
         (["--learning_rate", "-1"], "learning_rate must be > 0"),
+        (["--learning_rate", "-1e-3"], "learning_rate must be > 0, got -0.001"),  # argparse alone: "expected one"
+        (["--weight_decay", "-.5", "--learning_rate", "-2e-5"], "learning_rate must be > 0, got -2e-05"),
         (["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be > 0"),
         (["--validation_split_percentage", "1.5"], "validation_split_percentage"),
         (["--hflip_prob", "2"], "hflip_prob"),

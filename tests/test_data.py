@@ -190,6 +190,17 @@ def test_labels_out_of_range_and_mixed_types(tmp_path):
         load_splits(data_args(path))
 
 
+def test_nan_labels_are_named_with_their_rows(tmp_path):
+    """pandas writes a missing label as NaN (the column turns float): say NaN and where, not 'type double'."""
+    nan = float("nan")
+    floats = Dataset.from_dict(
+        {"image": [png(np.zeros((4, 4, 3), np.uint8))] * 6, "label": [0.0, 1.0, nan, 1.0, 0.0, nan]},
+        features=Features({"image": Image(), "label": Value("float64")}),
+    )
+    with pytest.raises(RecipeError, match=r"split 'train' has 2 NaN label\(s\) in 'label' \(rows 2, 5\)"):
+        load_splits(data_args(save(tmp_path, train=floats)))
+
+
 # ---------------------------------------------------------------------------------------------------- decoding
 
 

@@ -12,6 +12,8 @@ import difflib
 import importlib.util
 import logging
 import os
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -461,6 +463,7 @@ def parse_args(
     Building `TrainingArguments` starts the process group of a multi-process launch, so
     `before_process_group(use_cpu)` runs first, on the parsed values, for checks that must precede it.
     """
+    argv = _attach_negative_numbers(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
@@ -484,6 +487,21 @@ def parse_args(
     _move_token_out_of_args(args.training)
     validate_arguments(args)
     return args
+
+
+_NEGATIVE_NUMBER = re.compile(r"^-(\d|\.\d|inf$)")
+
+
+def _attach_negative_numbers(argv: list[str]) -> list[str]:
+    """`--flag -1e-3` -> `--flag=-1e-3`: argparse reads a value that starts with '-' as another flag ("expected one
+    argument"); attached, the value reaches its check, which names the flag and the range."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_NUMBER.match(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 def _move_token_out_of_args(training_args: TrainingArguments) -> None:

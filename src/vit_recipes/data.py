@@ -162,6 +162,17 @@ def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, 
             listing = ", ".join(f"{s}: {t}" for s, t in kinds.items())
             raise RecipeError(f"label column '{column}' has mixed types across splits ({listing}); use one type")
         label_type = next(iter(kinds.values()))
+        if pa.types.is_floating(label_type):
+            for split, array in values.items():  # pandas writes a missing label as NaN, which turns the column float
+                missing = np.flatnonzero(
+                    pc.is_nan(array).to_numpy(zero_copy_only=False) | array.is_null().to_numpy(zero_copy_only=False)
+                )
+                if len(missing):
+                    rows = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+                    raise RecipeError(
+                        f"split '{split}' has {len(missing)} NaN label(s) in '{column}' (rows {rows}): drop or label "
+                        "those rows"
+                    )
         if not (
             pa.types.is_integer(label_type)
             or pa.types.is_string(label_type)

@@ -31,11 +31,13 @@ class _StopAtTheLastStep(TrainerCallback):
 
 
 class ImageClassificationTrainer(Trainer):
-    """`Trainer` plus three things:
+    """`Trainer` plus:
 
     - device transforms: `pixel_values` come from the DataLoader as uint8 at storage resolution and are resized,
       augmented (training) or centre-cropped (evaluation) and normalised batched on the device;
     - the loss: cross-entropy with label smoothing, or soft-target cross-entropy under mixup/cutmix;
+    - checkpoints that record their run and the loss so far, last, once complete (run_dir.py), and resumes that
+      never train past the run's last step;
     - the model card: `push_to_hub` writes ours (`card`, see card.py) instead of the generic one.
     """
 
