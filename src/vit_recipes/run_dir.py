@@ -133,7 +133,8 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
             "refuse",
             candidate,
             refusal=f"output_dir {out} holds a different run ({changed[0]}); choose another --output_dir or pass "
-            "--overwrite_output_dir",
+            "--overwrite_output_dir"
+            + (f", or resume its {complete.name} anyway with --resume_from_checkpoint {complete}" if complete else ""),
         )
     if complete:
         changed = _differences(json.loads((complete / CHECKPOINT_RECORD).read_text()), run)
