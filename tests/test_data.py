@@ -296,3 +296,16 @@ def test_predict_folder_listing(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RecipeError, match="no images"):
         load_image_folder(str(tmp_path / "empty"))
+
+
+def test_sample_caps_are_seeded_stratified_and_said(tmp_path, caplog):
+    """--max_eval_samples on a class-sorted test split once took its first rows: one class, a meaningless score."""
+    from collections import Counter
+
+    labels = [c for c in "abcdefghij" for _ in range(20)]  # sorted by class, as many test splits are
+    path = save(tmp_path, train=tiny_split(labels), test=tiny_split(labels))
+    with caplog.at_level("WARNING", logger="vit_recipes.data"):
+        splits = load_splits(data_args(path, max_eval_samples=50))
+    assert sorted(Counter(splits.test["labels"]).values()) == [5] * 10  # every class, in proportion
+    assert "Sampled 50 of 200 test images (seed 42, stratified)" in caplog.text
+    assert load_splits(data_args(path, max_eval_samples=50)).test["labels"] == splits.test["labels"]  # seeded

@@ -102,8 +102,12 @@ class DataArguments:
         default=0.1,
         metadata={"help": "Fraction of train carved (seeded, stratified) into validation when there is none."},
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Truncate train (debugging)."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate validation and test."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Cap train at this many images: a seeded sample, stratified by class."}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Cap validation and test: a seeded sample, stratified by class."}
+    )
     storage_size: int | None = field(
         default=None,
         metadata={

@@ -260,11 +260,26 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     if not need_train:
         train = None
     if train is not None and data_args.max_train_samples:
-        train = train.shuffle(seed=seed).select(range(min(data_args.max_train_samples, len(train))))
+        train = sample(train, data_args.max_train_samples, seed, "train")
     if data_args.max_eval_samples:
-        validation = validation and validation.select(range(min(data_args.max_eval_samples, len(validation))))
-        test = test and test.select(range(min(data_args.max_eval_samples, len(test))))
+        validation = validation and sample(validation, data_args.max_eval_samples, seed, "validation")
+        test = test and sample(test, data_args.max_eval_samples, seed, "test")
     return ImageSplits(train, validation, test, image_column, names, source_kind)
+
+
+def sample(split: Dataset, cap: int, seed: int, name: str) -> Dataset:
+    """At most `cap` rows, seeded and stratified by label (the first rows of a class-sorted split would score a few
+    classes only), with one log line saying so."""
+    if cap >= len(split):
+        return split
+    try:
+        kept = split.train_test_split(train_size=cap, seed=seed, stratify_by_column=LABELS)["train"]
+        how = "stratified"
+    except ValueError:  # a class with a single row, or fewer rows than classes: stratification is impossible
+        kept = split.shuffle(seed=seed).select(range(cap))
+        how = "not stratified: some class is too small"
+    logger.warning("Sampled %d of %d %s images (seed %d, %s)", cap, len(split), name, seed, how)
+    return kept
 
 
 def carve_validation(train: Dataset, fraction: float, num_classes: int, seed: int) -> tuple[Dataset, Dataset]:
