@@ -62,6 +62,20 @@ def cifar_like(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def fixture_records(tmp_path_factory) -> Path:
+    """tests/data/strategy_report/records with its synthetic GPU traces written next to it (traces stay out of git)."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "tests" / "data" / "strategy_report"))
+    from make_fixtures import write_traces
+
+    records = tmp_path_factory.mktemp("fixture") / "records"
+    shutil.copytree(ROOT / "tests" / "data" / "strategy_report" / "records", records)
+    write_traces(records)
+    return records
+
+
+@pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> Path:
     sys.path.insert(0, str(ROOT / "tools"))  # tools/demo_data.py: what `make demo` runs
     from demo_data import build_digits

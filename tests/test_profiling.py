@@ -17,7 +17,6 @@ from vit_recipes.profiling import flops_profiler_output, keep_flops_profile
 sys.path.append(str(ROOT / "benchmarks"))  # trace_analysis is a script there, not part of the package
 trace_analysis = importlib.import_module("trace_analysis")
 
-SYNTHETIC_TRACES = ROOT / "tests/data/strategy_report/records/traces"  # hand-built GPU traces (test fixtures)
 REGIONS = {"data", "augment", "forward", "backward", "optimizer_step"}
 HAS_HTA = importlib.util.find_spec("hta") is not None
 
@@ -137,15 +136,14 @@ def test_training_that_ends_inside_the_window_still_writes_its_trace(cifar_like,
 # --- Analysis of GPU traces and the comparison of two runs ------------------------------------------------------
 
 
-def test_trace_report_compares_two_runs(tmp_path):
+def test_trace_report_compares_two_runs(tmp_path, fixture_records):
+    traces = fixture_records / "traces"  # hand-built GPU traces (test fixtures)
     """Synthetic 2-rank GPU traces (tests/data, not measurements): ZeRO-3-like exposes more communication."""
     out = tmp_path / "cmp.md"
-    trace_analysis.main(
-        [str(SYNTHETIC_TRACES / "ddp"), str(SYNTHETIC_TRACES / "zero3"), "--labels", "ddp", "zero3", "--out", str(out)]
-    )
+    trace_analysis.main([str(traces / "ddp"), str(traces / "zero3"), "--labels", "ddp", "zero3", "--out", str(out)])
     text = out.read_text()
-    ddp = trace_analysis.analyze(SYNTHETIC_TRACES / "ddp", use_hta=False).summary()
-    zero3 = trace_analysis.analyze(SYNTHETIC_TRACES / "zero3", use_hta=False).summary()
+    ddp = trace_analysis.analyze(traces / "ddp", use_hta=False).summary()
+    zero3 = trace_analysis.analyze(traces / "zero3", use_hta=False).summary()
     for summary in (ddp, zero3):
         parts = summary["compute_fraction"] + summary["exposed_comm_fraction"] + summary["idle_fraction"]
         assert parts == pytest.approx(1.0)
@@ -262,8 +260,9 @@ def test_cuda_traces_steps_collective_waits_and_gpu_regions(tmp_path):
     assert "clocks differ" in skewed.wait_note and skewed.ranks[0].wait_ms is None
 
 
-def test_no_hta_falls_back_and_says_so(tmp_path):
-    out = trace_analysis.main([str(SYNTHETIC_TRACES / "ddp"), "--no-hta", "--out", str(tmp_path / "r.md")])
+def test_no_hta_falls_back_and_says_so(tmp_path, fixture_records):
+    traces = fixture_records / "traces"
+    out = trace_analysis.main([str(traces / "ddp"), "--no-hta", "--out", str(tmp_path / "r.md")])
     text = out.read_text()
     assert "trace JSON (fallback: HTA was switched off (--no-hta).)" in text
     assert "HolisticTraceAnalysis:" not in text

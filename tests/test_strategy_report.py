@@ -11,14 +11,13 @@ from PIL import Image
 sys.path.append(str(ROOT / "benchmarks"))  # a script there, as are report.py and trace_analysis.py it imports
 strategy_report = importlib.import_module("strategy_report")
 
-RECORDS = ROOT / "tests/data/strategy_report/records"
 CHARTS = ("throughput", "memory", "step_breakdown", "scaling", "mfu")
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(tmp_path_factory, fixture_records):
     out = tmp_path_factory.mktemp("report") / "STRATEGY_REPORT.md"
-    strategy_report.main([str(RECORDS), "--out", str(out)])
+    strategy_report.main([str(fixture_records), "--out", str(out)])
     return out
 
 

@@ -1,4 +1,5 @@
-"""Write the strategy-report TEST FIXTURES in this folder: made-up benchmark records and synthetic GPU traces.
+"""Write the strategy-report TEST FIXTURES: made-up benchmark records (kept in records/) and synthetic GPU traces
+(written where the tests need them, by `write_traces`: traces are not kept in git).
 
     python tests/data/strategy_report/make_fixtures.py
 
@@ -247,6 +248,16 @@ def trace(rank: int, world: int, comm_scale: float, steps: int = 3) -> dict:
     }
 
 
+def write_traces(records: Path) -> Path:
+    """The two runs' synthetic traces under records/traces (the records' trace_dir points there); returns it."""
+    for name, scale in (("ddp", 1.0), ("zero3", 2.5)):
+        folder = records / "traces" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for rank in range(2):
+            (folder / f"rank{rank}.pt.trace.json").write_text(json.dumps(trace(rank, 2, scale)) + "\n")
+    return records / "traces"
+
+
 def main() -> None:
     records = HERE / "records"
     records.mkdir(exist_ok=True)
@@ -254,11 +265,6 @@ def main() -> None:
         (records / f"{item['name']}.json").write_text(json.dumps(item, indent=1) + "\n")
     (records / "sparse.json").write_text(json.dumps(SPARSE, indent=1) + "\n")
     (records / "base-ddp-b128.trainer_state.json").write_text(json.dumps(NOT_A_RECORD) + "\n")
-    for name, scale in (("ddp", 1.0), ("zero3", 2.5)):
-        folder = records / "traces" / name
-        folder.mkdir(parents=True, exist_ok=True)
-        for rank in range(2):
-            (folder / f"rank{rank}.pt.trace.json").write_text(json.dumps(trace(rank, 2, scale)) + "\n")
 
 
 if __name__ == "__main__":
