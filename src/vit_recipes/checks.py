@@ -18,15 +18,11 @@ import tempfile
 from pathlib import Path
 
 from .errors import RecipeError
-from .launch import visible_gpus
+from .launch import is_true, visible_gpus
 from .memory import host_memory_for, model_shape_from_args
 
 AUTO = "auto"
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
-
-
-def is_true(value) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
 def config_value(config: dict | None, dotted: str):

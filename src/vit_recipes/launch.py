@@ -16,6 +16,11 @@ logger = logging.getLogger(__name__)
 SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"  # DeepSpeed's shm comm op (csrc/cpu/comm/shm.cpp)
 
 
+def is_true(value) -> bool:
+    """How launchers and users spell a true flag or environment variable ("1", "true", "yes", "on")."""
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
 def env_int(*names: str, default: int = 1) -> int:
     """The first of these environment variables that holds a whole number (launchers set them), else `default`."""
     for name in names:
@@ -35,7 +40,7 @@ def check_processes(use_cpu: bool) -> None:
     """Process count against GPUs, from the launcher's environment alone (before the process group starts)."""
     world = env_int("WORLD_SIZE")
     local = env_int("LOCAL_WORLD_SIZE", default=world)
-    if world <= 1 or use_cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    if world <= 1 or use_cpu or is_true(os.environ.get("ACCELERATE_USE_CPU")):
         return
     gpus = visible_gpus()
     if gpus == 0:

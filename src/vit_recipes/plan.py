@@ -19,9 +19,9 @@ from typing import Any
 
 from . import strategies
 from .arguments import RunArguments, run_config
-from .checks import check_plan, config_value, is_true
+from .checks import check_plan, config_value
 from .errors import RecipeError
-from .launch import bind_deepspeed_comm, env_int
+from .launch import bind_deepspeed_comm, env_int, is_true
 from .lora import is_adapter_dir
 from .run_dir import OutputState, remove_checkpoints, resolve_output_dir
 from .strategies import StrategySpec

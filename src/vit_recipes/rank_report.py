@@ -9,7 +9,6 @@ unconnected single processes) cannot pass.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +132,3 @@ class RankReportCallback(TrainerCallback):
         folder = Path(args.output_dir) / RANK_REPORT_DIR
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{report['rank']}.json").write_text(json.dumps(report, indent=2) + "\n")
-
-
-def attach_rank_report(trainer, precision: str) -> None:
-    """Add `RankReportCallback` when VIT_RECIPES_DEBUG_RANK_REPORT=1 (tests, benchmarks)."""
-    if os.environ.get(RANK_REPORT_ENV, "0").strip().lower() in ("1", "true", "yes", "on"):
-        trainer.add_callback(RankReportCallback(trainer, precision))
