@@ -68,13 +68,10 @@ def write_loss_record(checkpoint: str | os.PathLike, loss_sum: float, steps: int
     (Path(checkpoint) / LOSS_RECORD).write_text(json.dumps({"loss_sum": loss_sum, "steps": steps}) + "\n")
 
 
-def read_loss_record(checkpoint: str | os.PathLike | None) -> tuple[float, int] | None:
-    """(loss sum, steps) a checkpoint recorded, None when it has no record (not ours, or older)."""
+def read_loss_record(checkpoint: str | os.PathLike | None) -> float | None:
+    """The loss sum a checkpoint recorded, None when it has no record (not ours, or older)."""
     path = Path(checkpoint) / LOSS_RECORD if checkpoint else None
-    if path is None or not path.is_file():
-        return None
-    record = json.loads(path.read_text())
-    return float(record["loss_sum"]), int(record["steps"])
+    return float(json.loads(path.read_text())["loss_sum"]) if path is not None and path.is_file() else None
 
 
 def _differences(saved: dict, now: dict) -> list[str]:

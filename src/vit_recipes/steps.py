@@ -118,15 +118,15 @@ def train(
         record_run(output_dir, plan.identity)
         write_skipped(splits, output_dir)
     before = read_loss_record(plan.resume_from)
-    if before:
-        trainer.loss_sum = before[0]
+    if before is not None:
+        trainer.loss_sum = before
     elif plan.resume_from:
         logger.warning("%s has no %s: train_loss covers the steps after it only", plan.resume_from, LOSS_RECORD)
     train_result = trainer.train(resume_from_checkpoint=plan.resume_from)
     # Under DeepSpeed/FSDP this gathers a plain, loadable model; LoRA: the adapter, or the merged model.
     save_final_model(trainer, finetune)
     metrics = {**train_result.metrics, **meter.metrics(), **finetune.metrics}  # + trainable/total parameters
-    if before and trainer.state.global_step:  # the whole run's mean, not the mean since the resume
+    if before is not None and trainer.state.global_step:  # the whole run's mean, not the mean since the resume
         metrics["train_loss"] = trainer.mean_loss_sum() / trainer.state.global_step
     metrics["data_decode_seconds"] = round(decode_seconds, 3)  # first run: decoding; later runs: the disk cache
     trainer.log_metrics("train", metrics)
