@@ -113,10 +113,15 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """main() as a command: a RecipeError is one line on stderr and exit status 2."""
     try:
         main()
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     launch.shutdown()  # after success only: a rank that failed must not wait in a collective teardown
+
+
+if __name__ == "__main__":
+    cli()

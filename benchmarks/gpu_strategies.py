@@ -2,8 +2,8 @@
 
     python3 benchmarks/gpu_strategies.py --out $OUT [--budget 330]   (benchmarks/gpu_strategies.sh calls it)
 
-Runs run_image_classification.py on every visible GPU, through the shipped configs and both launchers, with
-VIT_RECIPES_DEBUG_RANK_REPORT=1, then checks each run from what its ranks wrote (never from exit codes alone):
+Runs run_image_classification.py on every visible GPU, through the shipped configs and both launchers, wrapped in
+tools/rank_report.py (the script, plus a report per rank), then checks each run from what its ranks wrote (never from exit codes alone):
 
 - world size = processes launched, the wrapper the Trainer trained (DDP, DeepSpeedEngine, FSDP2 module), ZeRO
   stage, and that each rank holds ~1/N of what the strategy shards (parameters, optimizer states), offloaded
@@ -35,6 +35,7 @@ from pathlib import Path
 from vit_recipes.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
+RANK_REPORT_SCRIPT = "tools/rank_report.py"  # the script, plus what each rank trained with
 GLOBAL_BATCH = 64
 STEPS = 20
 
@@ -135,17 +136,17 @@ def common_args(assets: Path, out: Path, processes: int, checkpoints: bool, mode
 def command(run: Run, processes: int, port: int) -> list[str]:
     py = sys.executable
     if run.launcher == "python":
-        return [py, "run_image_classification.py"]
+        return [py, RANK_REPORT_SCRIPT]
     if run.launcher == "accelerate":
         cli = shutil.which("accelerate")
         base = [cli] if cli else [py, "-m", "accelerate.commands.accelerate_cli"]
         return base + [
             "launch", "--config_file", run.config, "--num_processes", str(processes),
-            "--main_process_port", str(port), *run_extra_launch(run, processes), "run_image_classification.py",
+            "--main_process_port", str(port), *run_extra_launch(run, processes), RANK_REPORT_SCRIPT,
         ]  # fmt: skip
     cli = shutil.which("deepspeed")
     base = [cli] if cli else [py, "-m", "deepspeed.launcher.runner"]
-    return base + ["--num_gpus", str(processes), "--master_port", str(port), "run_image_classification.py",
+    return base + ["--num_gpus", str(processes), "--master_port", str(port), RANK_REPORT_SCRIPT,
                    "--deepspeed", run.config]  # fmt: skip
 
 
@@ -182,7 +183,7 @@ def launch(run: Run, work: Path, assets: Path, gpus: int, timeout: int, log) -> 
         shutil.copy(source / "run_config.json", out / "run_config.json")
     cmd = command(run, processes, free_port()) + common_args(assets, out, processes, run.checkpoints, run.model)
     cmd += run.args
-    env = dict(os.environ, VIT_RECIPES_DEBUG_RANK_REPORT="1")
+    env = dict(os.environ)
     log(f"{run.name}: {' '.join(cmd)}")
     start = time.time()
     log_file = work / f"{run.name}.log"

@@ -157,6 +157,10 @@ SIZES = {
 # ------------------------------------------------------------------------------------------------ data
 
 
+class MissingData(FileNotFoundError):
+    """The real data a check needs is not on this machine (one line, no traceback, from main)."""
+
+
 def _read_idx(path: Path) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         data = f.read()
@@ -190,7 +194,7 @@ def build_fashion_mnist(
     }
     missing = [name for pair in files.values() for name in pair if not (source / name).is_file()]
     if missing:
-        raise FileNotFoundError(
+        raise MissingData(
             f"Fashion-MNIST idx files not found in {source} ({', '.join(missing)}): install them with "
             f"`apt-get install dataset-fashion-mnist` (Debian; it puts them in {FASHION_MNIST}) or pass "
             "--fashion_mnist DIR, the folder that holds them"
@@ -620,18 +624,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--in_process", action="store_true", help="run the script in this process (no RSS)")
     args = parser.parse_args(argv)
-    run_check(
-        args.out,
-        override(SIZES[args.size], args.set) if args.set else args.size,
-        args.work,
-        tuple(args.methods),
-        args.seeds,
-        Runner(in_process=args.in_process),
-        args.fashion_mnist,
-        args.stage,
-        args.reuse_base,
-        args.budget,
-    )
+    try:
+        run_check(
+            args.out,
+            override(SIZES[args.size], args.set) if args.set else args.size,
+            args.work,
+            tuple(args.methods),
+            args.seeds,
+            Runner(in_process=args.in_process),
+            args.fashion_mnist,
+            args.stage,
+            args.reuse_base,
+            args.budget,
+        )
+    except MissingData as err:
+        parser.exit(2, f"error: {err}\n")
 
 
 def override(size: Size, settings: list[str]) -> Size:

@@ -9,7 +9,7 @@ PACKAGE = ROOT / "src" / "vit_recipes"
 # Bottom to top, as docs/architecture.md draws them.
 LAYERS = [
     {"errors", "strategies", "images", "transforms", "metrics", "patch_embedding", "flops", "meter", "profiling"}
-    | {"reports", "plots", "rank_report", "timeline", "__init__"},
+    | {"reports", "plots", "timeline", "__init__"},
     {"arguments", "hub", "launch", "run_dir", "fp8"},
     {"data", "memory", "lora"},
     {"checks", "modeling", "card", "observability"},

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,41 @@ def test_resuming_an_incomplete_checkpoint_by_hand_is_one_line(cifar_like, tiny_
     (half / "config.json").write_text("{}")
     with pytest.raises(RecipeError, match=r"checkpoint-5 is not a complete checkpoint \(no trainer_state.json\)"):
         run_script(*args(cifar_like, tiny_vit, tmp_path / "out", "--resume_from_checkpoint", half))
+
+
+def test_a_checkpoint_with_unreadable_weights_is_one_line_naming_it(cifar_like, tiny_vit, tmp_path, run_script):
+    out = tmp_path / "out"
+    run_script(*args(cifar_like, tiny_vit, out, "--max_steps", "2", *SAVE_EVERY_2))
+    weights = out / "checkpoint-2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # complete when written, truncated since (a disk fault)
+    with pytest.raises(RecipeError, match=r"cannot read the weights of .*checkpoint-2 \(.*\): delete that folder"):
+        run_script(*args(cifar_like, tiny_vit, out, "--max_steps", "4", *SAVE_EVERY_2))
+
+
+def test_a_full_disk_mid_save_is_one_line_and_the_same_command_then_ends_as_the_uninterrupted_run(
+    cifar_like, tiny_vit, tmp_path, run_script, monkeypatch
+):
+    from vit_recipes.trainer import ImageClassificationTrainer
+
+    straight, full = tmp_path / "straight", tmp_path / "full"
+    run_script(*args(cifar_like, tiny_vit, straight, "--max_steps", "6", *SAVE_EVERY_2))
+    save = ImageClassificationTrainer._save
+
+    def disk_fills_at_step_4(self, output_dir=None, state_dict=None):
+        if self.state.global_step == 4:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / "config.json").write_text("{")  # a first file, cut short
+            raise OSError(28, "No space left on device")
+        return save(self, output_dir, state_dict)
+
+    monkeypatch.setattr(ImageClassificationTrainer, "_save", disk_fills_at_step_4)
+    with pytest.raises(RecipeError, match=r"writing .*checkpoint-4 failed \(\[Errno 28\] No space left on device; "):
+        run_script(*args(cifar_like, tiny_vit, full, "--max_steps", "6", *SAVE_EVERY_2))
+    monkeypatch.undo()  # space freed: the same command resumes from checkpoint-2, skipping the broken checkpoint-4
+    run_script(*args(cifar_like, tiny_vit, full, "--max_steps", "6", *SAVE_EVERY_2))
+    a, b = load_file(straight / "model.safetensors"), load_file(full / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused_before_any_data_is_read(tiny_vit, tmp_path, run_script):

@@ -1,7 +1,7 @@
 """Distributed strategies on the CPU: 2 processes over gloo, through `accelerate launch` and `deepspeed`.
 
-Every launched run writes a rank report (VIT_RECIPES_DEBUG_RANK_REPORT=1, see vit_recipes/rank_report.py) and the
-tests assert on it: the world size, the wrapper the Trainer actually trained (DistributedDataParallel or
+Every launched run goes through tools/rank_report.py (the script, plus a report per rank) and the tests assert on
+it: the world size, the wrapper the Trainer actually trained (DistributedDataParallel or
 DeepSpeedEngine), the ZeRO stage and how much of the parameters / optimizer states each rank holds. A launcher that
 silently fell back to one process or to plain DDP fails here. fp32, fixed seed, no random augmentation and the
 same global batch as the single-process baseline (8), so the per-step losses must match it within 1e-4.
@@ -35,13 +35,14 @@ from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
 from vit_recipes.launch import SHM_BUFFER_PREFIX
-from vit_recipes.rank_report import RANK_REPORT_DIR, RANK_REPORT_ENV
 
 CLASSES = 10
 STEPS = 20
 GLOBAL_BATCH = 8
 REL_TOL = 1e-4
 TIMEOUT = 420
+RANK_REPORT_SCRIPT = "tools/rank_report.py"  # the script, plus what each rank trained with
+RANK_REPORT_DIR = "rank_reports"
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
@@ -154,7 +155,7 @@ def tool(name: str) -> str:
 
 def launch_env(**extra) -> dict:
     env = dict(os.environ)
-    env.update({RANK_REPORT_ENV: "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, **extra)
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, **extra)
     return env
 
 
@@ -166,7 +167,7 @@ def launch(name: str, command: list[str], env=None, cwd=ROOT) -> subprocess.Comp
     return result
 
 
-def accelerate(config: str, *launch_flags, processes: int = 2, script="run_image_classification.py") -> list[str]:
+def accelerate(config: str, *launch_flags, processes: int = 2, script=RANK_REPORT_SCRIPT) -> list[str]:
     return [
         tool("accelerate"),
         "launch",
@@ -188,7 +189,7 @@ def deepspeed(processes: int = 2) -> list[str]:
         str(processes),
         "--master_port",
         str(free_port()),
-        "run_image_classification.py",
+        RANK_REPORT_SCRIPT,
     ]
 
 

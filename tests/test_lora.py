@@ -35,7 +35,6 @@ from vit_recipes.lora import (
     unwrap,
 )
 from vit_recipes.modeling import FinetuneSetup, build_finetune_model
-from vit_recipes.rank_report import RANK_REPORT_DIR, RANK_REPORT_ENV
 
 
 def tiny_model(seed=0, hidden=32, labels=5):
@@ -599,6 +598,21 @@ def transfer_record(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_transfer_check_without_fashion_mnist_names_the_debian_package_in_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / "transfer.py", "--fashion_mnist", tmp_path, "--out", tmp_path / "o"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: Fashion-MNIST idx files not found in {tmp_path} (train-images-idx3-ubyte.gz, "
+        "train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz): install them with "
+        "`apt-get install dataset-fashion-mnist` (Debian; it puts them in /usr/share/datasets/fashion-mnist) or pass "
+        "--fashion_mnist DIR, the folder that holds them"
+    ]
+
+
 def test_transfer_lora_beats_a_frozen_backbone_and_nears_full_finetuning(transfer_record):
     """A ViT pretrained here on Fashion-MNIST, fine-tuned on digits through the script three ways.
 
@@ -633,9 +647,9 @@ def test_lora_under_zero3_bf16_on_two_processes_saves_a_merged_model(transfer_re
     out = tmp_path / "zero3"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/zero3.yaml",
               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "bf16",
-              "--main_process_port", str(port), "run_image_classification.py"]  # fmt: skip
+              "--main_process_port", str(port), "tools/rank_report.py"]  # fmt: skip
     argv = lora_args(work / "digits", work / "pretrained", out, "--merge_adapter", "true", "--bf16", "true")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", RANK_REPORT_ENV: "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([*launch, *map(str, argv)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "LoRA: trainable params" in result.stdout
@@ -643,7 +657,7 @@ def test_lora_under_zero3_bf16_on_two_processes_saves_a_merged_model(transfer_re
         0,
         1,
     ):  # zero3.json's ViTLayer leaf modules are dropped for adapters (adapters.drop_zero3_leaf_modules)
-        report = json.loads((out / RANK_REPORT_DIR / f"rank{rank}.json").read_text())
+        report = json.loads((out / "rank_reports" / f"rank{rank}.json").read_text())
         assert report["zero_stage"] == 3 and report["zero3_leaf_modules"] == [], report
     saved = {p.name for p in out.iterdir()}
     assert "model.safetensors" in saved and not any(name.startswith("adapter_") for name in saved)

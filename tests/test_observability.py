@@ -3,9 +3,11 @@
 import importlib.util
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
-from conftest import run_args
+from conftest import ROOT, run_args
 
 from vit_recipes.arguments import parse_args, resolve_report_to
 from vit_recipes.errors import RecipeError
@@ -129,6 +131,17 @@ def test_tensorboard_events_carry_step_and_eval_metrics_and_plots_are_written(
     for name in ("training_curves", "validation_metrics", "throughput", "confusion_matrix_test"):
         data = (out / f"{name}.png").read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5_000, name
+    # tools/redraw_plots.py draws the same plots again from trainer_state.json alone.
+    for name in ("training_curves", "validation_metrics", "throughput"):
+        (out / f"{name}.png").unlink()
+    redraw = subprocess.run([sys.executable, ROOT / "tools" / "redraw_plots.py", out], capture_output=True, text=True)
+    assert redraw.returncode == 0, redraw.stderr
+    for name in ("training_curves", "validation_metrics", "throughput"):
+        assert (out / f"{name}.png").read_bytes().startswith(PNG_MAGIC), name
+    missing = subprocess.run(
+        [sys.executable, ROOT / "tools" / "redraw_plots.py", tmp_path], capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "trainer_state.json not found" in missing.stderr
 
 
 @pytest.mark.slow

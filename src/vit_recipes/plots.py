@@ -1,6 +1,4 @@
-"""PNG plots of a run from `trainer.state.log_history` (also readable from trainer_state.json).
-
-    python -m vit_recipes.plots OUTPUT_DIR      # redraw from OUTPUT_DIR/trainer_state.json
+"""PNG plots of a run from `trainer.state.log_history` (tools/redraw_plots.py redraws them from trainer_state.json).
 
 - training_curves.png: training loss (and validation loss), learning rate, grad norm;
 - validation_metrics.png: every eval_* metric over steps;
@@ -10,8 +8,6 @@ The confusion matrix is written by reports.py.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import re
@@ -152,17 +148,3 @@ def write_plots(log_history: list[dict], output_dir: str) -> dict[str, str]:
         if path:
             written[name] = path
     return written
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Redraw a run's plots from OUTPUT_DIR/trainer_state.json.")
-    parser.add_argument("output_dir")
-    args = parser.parse_args(argv)
-    with open(os.path.join(args.output_dir, "trainer_state.json")) as f:
-        history = json.load(f)["log_history"]
-    for path in write_plots(history, args.output_dir).values():
-        print(path)
-
-
-if __name__ == "__main__":
-    main()

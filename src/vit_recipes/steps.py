@@ -22,14 +22,12 @@ from .data import ImageSplits, PixelCollator, decode_split, load_image_folder, w
 from .errors import RecipeError
 from .flops import peak_flops, training_flops_per_image
 from .hub import hub_error_message
-from .launch import is_true
 from .meter import SpeedMeter
 from .metrics import make_compute_metrics
 from .modeling import FinetuneSetup, evaluation_processor
 from .observability import attach as attach_observability
 from .plan import RunPlan
 from .plots import write_plots
-from .rank_report import RANK_REPORT_ENV, RankReportCallback
 from .reports import write_reports
 from .run_dir import LOSS_RECORD, read_loss_record, record_run
 from .trainer import ImageClassificationTrainer
@@ -102,8 +100,6 @@ def build_trainer(
     trainer.run_identity = plan.identity
     check_adapter_strategy(trainer, finetune)  # LoRA under FSDP/ZeRO-3: set-ups that could not save the adapter
     drop_zero3_leaf_modules(trainer, finetune)
-    if is_true(os.environ.get(RANK_REPORT_ENV)):  # tests and benchmarks: each rank reports what it ran
-        trainer.add_callback(RankReportCallback(trainer, plan.precision))
     meter = _meter(plan, model, training, finetune.method)
     attach_observability(trainer, args.observe, meter)
     return trainer, meter

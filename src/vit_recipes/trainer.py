@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import torch
@@ -14,6 +15,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .adapters import without_activation_wrappers
 from .card import write_model_card
+from .errors import RecipeError
 from .run_dir import mark_complete, write_loss_record
 
 
@@ -151,10 +153,17 @@ class ImageClassificationTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as err:  # a full disk surfaces as OSError, RuntimeError (torch.save) or SafetensorError
+            free = shutil.disk_usage(self.args.output_dir).free / 2**30
+            raise RecipeError(
+                f"writing {folder} failed ({_first_line(err)}; {free:.1f} GiB free there): the last complete "
+                "checkpoint is kept, and the same command resumes from it once the cause is fixed"
+            ) from err
         # Every rank's files are on disk before the record that makes the checkpoint complete (run_dir.py): a crash
         # or a full disk before this line leaves a folder auto-resume skips instead of one it fails on.
-        folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         loss_sum = self.mean_loss_sum()
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
@@ -162,9 +171,17 @@ class ImageClassificationTrainer(Trainer):
             mark_complete(folder, self.run_identity)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        try:
+            self._load_weights(resume_from_checkpoint, model if model is not None else self.model)
+        except Exception as err:  # truncated or corrupt files: SafetensorError, UnpicklingError, OSError, ...
+            raise RecipeError(
+                f"cannot read the weights of {resume_from_checkpoint} ({_first_line(err)}): delete that folder to "
+                "resume from the checkpoint before it, or pass --overwrite_output_dir to start over"
+            ) from err
+
+    def _load_weights(self, resume_from_checkpoint, model):
         # transformers 5.2x saves ViT under its original key names but resumes with a raw load_state_dict, which
         # silently leaves the new layer names unloaded. from_pretrained applies the key conversion.
-        model = model if model is not None else self.model
         weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(model, PreTrainedModel)
         if not (plain and os.path.isfile(weights)):
@@ -189,6 +206,10 @@ class ImageClassificationTrainer(Trainer):
         if _internal_call and output_dir is None and getattr(self, "keep_saved_model", False):
             return
         super().save_model(output_dir, _internal_call)
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 def _labelled(name, function):

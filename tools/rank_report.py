@@ -1,20 +1,24 @@
-"""What each rank actually trained with, for tests and benchmarks (on when VIT_RECIPES_DEBUG_RANK_REPORT=1).
+"""run_image_classification.py, plus a report of what each rank actually trained with: for tests and benchmarks.
 
-`RankReportCallback` makes every rank write output_dir/rank_reports/rank{N}.json at the end of training: world size,
-the wrapper the Trainer trained, ZeRO stage, and how many parameter and optimizer-state elements this rank holds
-against the full model. Tests and benchmarks assert on it, so a launcher that silently falls back to plain DDP (or to
-unconnected single processes) cannot pass.
+    accelerate launch --config_file accelerate_configs/zero3.yaml tools/rank_report.py --config ...
+    deepspeed tools/rank_report.py --deepspeed ds_configs/zero2.json --config ...
+
+Takes the script's arguments and runs the script; at the end of training every rank also writes
+output_dir/rank_reports/rank{N}.json: world size, the wrapper the Trainer trained, ZeRO stage, and how many parameter
+and optimizer-state elements this rank holds against the full model. Tests and benchmarks assert on it, so a launcher
+that silently falls back to plain DDP (or to unconnected single processes) cannot pass. It lives outside the package:
+a run never needs it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-RANK_REPORT_ENV = "VIT_RECIPES_DEBUG_RANK_REPORT"
 RANK_REPORT_DIR = "rank_reports"
 
 
@@ -132,3 +136,22 @@ class RankReportCallback(TrainerCallback):
         folder = Path(args.output_dir) / RANK_REPORT_DIR
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{report['rank']}.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the script, run from any working directory
+    import run_image_classification as script
+
+    build_trainer = script.build_trainer
+
+    def build_trainer_with_report(args, plan, *rest):
+        trainer, meter = build_trainer(args, plan, *rest)
+        trainer.add_callback(RankReportCallback(trainer, plan.precision))
+        return trainer, meter
+
+    script.build_trainer = build_trainer_with_report
+    script.cli()
+
+
+if __name__ == "__main__":
+    main()
