@@ -17,17 +17,17 @@ import transformers
 
 from vit_recipes import launch
 from vit_recipes.arguments import parse_args
-from vit_recipes.checks import check_model
-from vit_recipes.data import decode_splits, load_splits
+from vit_recipes.checks import check_hub, check_model
+from vit_recipes.data import decode_splits
 from vit_recipes.errors import RecipeError
 from vit_recipes.fp8 import convert_to_fp8
-from vit_recipes.hub import check_push_ready
 from vit_recipes.modeling import build_finetune_model, mean_std
+from vit_recipes.patch_dropout import add_patch_dropout
 from vit_recipes.plan import build_plan, configure
 from vit_recipes.steps import (
     build_trainer,
     evaluate,
-    log_splits,
+    load_data,
     predict_folder,
     publish,
     save_model_files,
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     launch.remove_shm_buffer_at_exit()  # DeepSpeed on CPUs leaves a shared-memory buffer per rank (and killed ranks)
     training = args.training
     setup_logging(training)
-    check_push_ready(training)
+    check_hub(args)  # pushing possible; a model or dataset on the Hub reachable, before any data is read
 
     # 2. Plan: strategy, precision, global batch, device and output dir, derived once; every refusal happens here,
     #    before any data is loaded. Then the settings the plan implies for accelerate and DeepSpeed.
@@ -57,10 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
     configure(plan, args)
     timeline.mark("startup")  # interpreter, imports, launcher, arguments, process group
 
-    # 3. Data: splits with integer labels (ClassLabel names, or sorted values).
+    # 3. Data: splits with integer labels (ClassLabel names, or sorted values); predicting alone needs none.
     with training.main_process_first(desc="loading the dataset"):
-        splits = load_splits(args.data, training.seed, args.model.cache_dir, need_train=training.do_train)
-    log_splits(args.data, splits)
+        splits = load_data(args)
     timeline.mark("data")
 
     # 4. Model with a head for these labels (seeded: a new head starts random); full, LoRA or head only.
@@ -68,12 +67,14 @@ def main(argv: list[str] | None = None) -> dict:
     model, image_size, finetune = build_finetune_model(args.model, args.lora, training, splits.label_names)
     check_model(plan.strategy, model)  # FSDP2's wrap list, ZeRO++'s quantized weights vs the head
     convert_to_fp8(model, training)  # --fp8: the transformer's linear layers run their matmuls in FP8
+    add_patch_dropout(model, args.augment.patch_dropout)  # training forwards keep a random subset of patches
     mean, std = mean_std(args.model)
     timeline.mark("model")
 
     # 5. Decode every image once to uint8 at storage size (cached on disk); the device does the rest.
     with training.main_process_first(desc="decoding images"):
-        splits = decode_splits(splits, image_size, args.data.storage_size, args.data.preprocessing_num_workers)
+        if splits.present():
+            splits = decode_splits(splits, image_size, args.data.storage_size, args.data.preprocessing_num_workers)
     timeline.mark("decode")
 
     # 6. Trainer: device transforms, metrics, speed meter, trackers, profiler; DeepSpeed/FSDP set-up.
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     if training.do_train:
         results.update(train(trainer, plan, splits, finetune, meter, timeline.phases["decode"]))
         timeline.mark("train")  # includes the first steps' warm-up and checkpoint saves
-    save_model_files(trainer, args, splits, image_size, mean, std)
+    if training.do_train or training.do_eval:  # a run that only predicts writes predictions.csv alone
+        save_model_files(trainer, args, splits, image_size, mean, std)
     timeline.mark("save")
 
     # 8. Evaluate on validation, then once on test; per-class report and plots.
@@ -103,11 +105,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 9. Predict a folder of images into predictions.csv.
     if training.do_predict and args.data.predict_images:
-        predict_folder(trainer, args.data, splits)
+        predict_folder(trainer, args.data, splits, image_size)
     trainer.release_dataloaders()  # stop DataLoader workers now rather than at interpreter exit (slow there)
 
-    # 10. Model card (always written locally), then push; the summary last.
-    publish(trainer, args, plan, argv, splits, results, reports, finetune, meter)
+    # 10. Model card (written locally by every run that trains or evaluates), then push; the summary last.
+    if training.do_train or training.do_eval:
+        publish(trainer, args, plan, argv, splits, results, reports, finetune, meter)
     if trainer.is_world_process_zero():
         summary(results, training.output_dir, reports)
     return results

@@ -1,4 +1,4 @@
-"""The memory advisor (tools/advise.py, vit_recipes/memory.py) against figures computed by hand for a small ViT."""
+"""The memory advisor (tools/advise.py, on vit_recipes/memory.py) against figures computed by hand for a small ViT."""
 
 import importlib.util
 import sys
@@ -7,12 +7,10 @@ import pytest
 from conftest import ROOT
 from transformers import ViTConfig
 
-from vit_recipes.memory import model_shape
-
 _spec = importlib.util.spec_from_file_location("advise", ROOT / "tools" / "advise.py")
 advise = sys.modules["advise"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
 _spec.loader.exec_module(advise)
-activation_bytes, estimate = advise.activation_bytes, advise.estimate
+activation_bytes, estimate, model_shape = advise.activation_bytes, advise.estimate, advise.model_shape
 
 # hidden 64, 2 layers, 4 heads, MLP 256, 32 px in 8 px patches (16 patches + CLS = 17 tokens), 10 classes
 CONFIG = dict(

@@ -8,9 +8,9 @@ from conftest import ROOT
 PACKAGE = ROOT / "src" / "vit_recipes"
 # Bottom to top, as docs/architecture.md draws them.
 LAYERS = [
-    {"errors", "strategies", "images", "transforms", "metrics", "patch_embedding", "flops", "meter", "profiling"}
+    {"errors", "strategies", "images", "transforms", "metrics", "patch_embedding", "flops", "meter"}
     | {"reports", "plots", "timeline", "__init__"},
-    {"arguments", "hub", "launch", "run_dir", "fp8"},
+    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout"},
     {"data", "memory", "lora"},
     {"checks", "modeling", "card", "observability"},
     {"plan", "adapters"},

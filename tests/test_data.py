@@ -1,4 +1,5 @@
 import io
+import json
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
 from PIL import Image as PILImage
 
 from vit_recipes import data as data_module
-from vit_recipes.data import PixelCollator, decode_splits, load_image_folder, load_splits, storage_shape_for
+from vit_recipes.data import PixelCollator, decode_splits, load_image_folder, load_splits, storage_format
 from vit_recipes.errors import RecipeError
 
 
@@ -197,8 +198,14 @@ def test_nan_labels_are_named_with_their_rows(tmp_path):
         {"image": [png(np.zeros((4, 4, 3), np.uint8))] * 6, "label": [0.0, 1.0, nan, 1.0, 0.0, nan]},
         features=Features({"image": Image(), "label": Value("float64")}),
     )
-    with pytest.raises(RecipeError, match=r"split 'train' has 2 NaN label\(s\) in 'label' \(rows 2, 5\)"):
+    with pytest.raises(RecipeError, match=r"split 'train' has 2 NaN or missing label\(s\) in 'label' \(rows 2, 5\)"):
         load_splits(data_args(save(tmp_path, train=floats)))
+    with_nulls = Dataset.from_dict(  # NaN turned into nulls on the way (pandas -> arrow): the same message
+        {"image": [png(np.zeros((4, 4, 3), np.uint8))] * 4, "label": [0.0, None, 1.0, nan]},
+        features=Features({"image": Image(), "label": Value("float64")}),
+    )
+    with pytest.raises(RecipeError, match=r"split 'train' has 2 NaN or missing label\(s\) in 'label' \(rows 1, 3\)"):
+        load_splits(data_args(save(tmp_path / "nulls", train=with_nulls)))
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
@@ -228,8 +235,8 @@ def test_every_pil_mode_decodes_to_rgb_uint8():
         assert image.mode == mode
         buffer = io.BytesIO()
         image.save(buffer, format="TIFF" if mode in ("CMYK", "I;16") else "PNG")
-        array = decode_to_chw({"bytes": buffer.getvalue(), "path": None}, 16, 16)
-        assert array.shape == (3, 16, 16) and array.dtype == np.uint8, mode
+        array, resized = decode_to_chw({"bytes": buffer.getvalue(), "path": None}, 16, 16)
+        assert array.shape == (3, 16, 16) and array.dtype == np.uint8 and resized, mode
     # 16-bit greyscale is rescaled, not clipped to white
     grey = np.asarray(to_rgb(mode_images()["I;16"]))
     assert grey.min() == 0 and grey.max() == 255 and 100 < grey.mean() < 155
@@ -254,26 +261,92 @@ def test_corrupt_images_are_skipped_counted_and_reported(tmp_path):
     )
     splits = data_module.ImageSplits(split, None, None, "image", ["a", "b"], "ClassLabel")
     decoded = decode_splits(splits, image_size=8)
-    assert len(decoded.train) == 2 and decoded.skipped == {"train": [1, 3]}
+    unreadable = [{"row": row, "image": None, "problem": "unreadable"} for row in (1, 3)]
+    assert len(decoded.train) == 2 and decoded.skipped == {"train": unreadable}
     data_module.write_skipped(decoded, str(tmp_path))
-    assert (tmp_path / "skipped_images.json").read_text().replace(" ", "").replace("\n", "") == '{"train":[1,3]}'
+    assert json.loads((tmp_path / "skipped_images.json").read_text()) == {"train": unreadable}
     broken = split.select([1, 3])
-    with pytest.raises(RecipeError, match="every image in split 'train' is corrupt"):
+    with pytest.raises(
+        RecipeError, match=r"every image in split 'train' is missing, corrupt or unreadable, e.g. row 0"
+    ):
         decode_splits(data_module.ImageSplits(broken, None, None, "image", ["a", "b"], "ClassLabel"), 8)
 
 
+def image_split(arrays, labels=None) -> Dataset:
+    labels = labels if labels is not None else [i % 2 for i in range(len(arrays))]
+    return Dataset.from_dict(
+        {"image": [{"bytes": png(a), "path": None} for a in arrays], "labels": labels},
+        features=Features({"image": Image(decode=False), "labels": ClassLabel(names=["a", "b"])}),
+    )
+
+
 def test_storage_shape_native_for_small_square_otherwise_256():
-    small = Dataset.from_dict(
-        {"image": [{"bytes": png(np.zeros((32, 32, 3), np.uint8)), "path": None}] * 3},
-        features=Features({"image": Image(decode=False)}),
+    small = image_split([np.zeros((32, 32, 3), np.uint8)] * 3)
+    assert storage_format(small, "image", 224, None).shape == (32, 32)
+    mixed = image_split([np.zeros((h, 300, 3), np.uint8) for h in (280, 500)])
+    assert storage_format(mixed, "image", 224, None).shape == (256, 256)
+    assert storage_format(mixed, "image", 224, 128).shape == (128, 128)
+
+
+def test_an_outlier_size_is_resized_to_the_common_one_and_counted(caplog):
+    """One 1x1 image among 8x8 ones: stored at 8x8 (it used to turn the whole set into 9x9), and said so."""
+    arrays = [np.full((8, 8, 3), 40 * i, np.uint8) for i in range(5)] + [np.full((1, 1, 3), 200, np.uint8)]
+    splits = data_module.ImageSplits(image_split(arrays), None, None, "image", ["a", "b"], "ClassLabel")
+    decoded = decode_splits(splits, image_size=8)
+    assert decoded.storage_shape == (8, 8) and len(decoded.train) == 6
+    assert decoded.notes == ["train: 1 image(s) not 8x8, the common size, resized to it"]
+    assert "Resized 1 train image(s) of another size to 8x8, the common size" in caplog.text
+    outlier = np.frombuffer(decoded.train[5]["pixels"], np.uint8)
+    assert outlier.size == 3 * 8 * 8 and (outlier == 200).all()  # the 1x1 image, upsampled: one colour
+    assert decoded.train[0]["pixels"] == np.full((3, 8, 8), 0, np.uint8).tobytes()  # the others untouched
+
+
+def test_high_bit_depth_images_scale_by_one_white_level_for_the_whole_dataset():
+    """12-bit data in 16-bit PNGs: every image is scaled by 255/4095 (it was per image: a dim one kept its values
+    as if 8-bit, a bright one was divided by 65535, near black)."""
+
+    def sixteen_bit(value: int) -> bytes:
+        buffer = io.BytesIO()
+        PILImage.fromarray(np.full((4, 4), value, np.uint16)).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    split = Dataset.from_dict(
+        {"image": [{"bytes": sixteen_bit(v), "path": None} for v in (250, 300, 4095)], "labels": [0, 1, 0]},
+        features=Features({"image": Image(decode=False), "labels": ClassLabel(names=["a", "b"])}),
     )
-    assert storage_shape_for(small, "image", 224, None) == (32, 32)
-    mixed = Dataset.from_dict(
-        {"image": [{"bytes": png(np.zeros((h, 300, 3), np.uint8)), "path": None} for h in (280, 500)]},
-        features=Features({"image": Image(decode=False)}),
-    )
-    assert storage_shape_for(mixed, "image", 224, None) == (256, 256)
-    assert storage_shape_for(mixed, "image", 224, 128) == (128, 128)
+    splits = data_module.ImageSplits(split, None, None, "image", ["a", "b"], "ClassLabel")
+    decoded = decode_splits(splits, image_size=4)
+    assert decoded.white == 4095
+    levels = [np.frombuffer(decoded.train[i]["pixels"], np.uint8)[0] for i in range(3)]
+    assert levels == [int(250 * 255 / 4095), int(300 * 255 / 4095), 255]
+
+
+def test_paths_in_a_csv_resolve_against_its_folder_and_a_missing_file_is_named(tmp_path, monkeypatch, caplog):
+    folder = tmp_path / "data"
+    (folder / "images").mkdir(parents=True)
+    rows = ["image,label"]
+    for i in range(12):
+        PILImage.fromarray(np.full((8, 8, 3), 20 * i, np.uint8)).save(folder / "images" / f"{i}.png")
+        rows.append(f"images/{i}.png,{'cat' if i % 2 else 'dog'}")
+    rows.append("images/gone.png,cat")
+    (folder / "list.csv").write_text("\n".join(rows) + "\n")
+    monkeypatch.chdir(tmp_path)  # elsewhere than the CSV: paths still resolve against its folder
+    loaded = load_splits(data_args(folder / "list.csv", validation_split_percentage=0.2))
+    decoded = decode_splits(loaded, image_size=8)
+    assert len(decoded.train) + len(decoded.validation) == 12
+    [(split, [item])] = decoded.skipped.items()
+    assert item["image"] == str(folder / "images" / "gone.png") and item["problem"] == "not found"
+    assert f"Skipped 1 image(s) in split '{split}': {folder / 'images' / 'gone.png'} (not found)" in caplog.text
+
+
+def test_the_validation_carve_and_sample_caps_are_logged_and_noted(tmp_path, caplog):
+    path = save(tmp_path, train=tiny_split(["a", "b"] * 10))
+    loaded = load_splits(data_args(path, validation_split_percentage=0.2, max_train_samples=8))
+    assert loaded.notes == [
+        "validation: 4 of the 20 train images, carved out of train (seed 42, stratified)",
+        "train: a sample of 8 of its 16 images (seed 42, stratified)",
+    ]
+    assert "No validation split: carved 4 of 20 train images into one (seed 42, stratified)" in caplog.text
 
 
 def test_collator_delivers_uint8_batches(cifar_like):

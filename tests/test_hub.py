@@ -174,3 +174,47 @@ def test_model_card_never_contains_a_token(tmp_path, monkeypatch):
     text = Path(write_model_card(info, str(tmp_path))).read_text(encoding="utf-8")
     assert FAKE_TOKEN not in text and ENV_TOKEN not in text and "<redacted>" in text
     ModelCard.load(tmp_path / "README.md")  # still valid after redaction
+
+
+# ------------------------------------------------------------------ a model or dataset the Hub must provide
+
+
+def test_an_uncached_hub_model_offline_is_one_line_before_any_data(tmp_path, run_script, monkeypatch):
+    """HF_HUB_OFFLINE=1 and a Hub id not in the cache: refused before the (bad) dataset path is read, not after
+    the data is loaded and decoded."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cache = tmp_path / "empty-cache"
+    with pytest.raises(RecipeError) as caught:
+        run_script("--dataset_name", "./no/such/folder", "--model_name_or_path", "google/vit-base-patch16-224-in21k",
+                   "--cache_dir", cache, "--output_dir", tmp_path / "out", "--use_cpu", "true", "--report_to", "none")  # fmt: skip
+    assert str(caught.value) == (
+        "model 'google/vit-base-patch16-224-in21k' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: "
+        "pass a local checkpoint folder (--model_name_or_path ./checkpoint) or unset HF_HUB_OFFLINE"
+    )
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_is_one_line_before_any_data_or_model(tmp_path, tiny_vit):
+    """Online, but the Hub does not answer (a closed port as its address): the dataset preset, then the model."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
+    common = ["--output_dir", tmp_path / "out", "--use_cpu", "true", "--report_to", "none"]
+    for argv, what in (
+        (["--dataset_name", "cifar100", "--model_name_or_path", tiny_vit], "the dataset 'uoft-cs/cifar100'"),
+        (["--dataset_name", "./no/such/folder", "--model_name_or_path", "google/vit-base-patch16-224-in21k"],
+         "the model 'google/vit-base-patch16-224-in21k'"),
+    ):  # fmt: skip
+        result = subprocess.run([sys.executable, ROOT / "run_image_classification.py", *argv, *common],
+                                env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode == 2 and last.startswith(
+            f"error: could not reach the Hugging Face Hub to download {what}: "
+        ), last
+        assert "to work offline pass local paths" in last and "Traceback" not in result.stderr

@@ -54,6 +54,37 @@ def test_not_an_image_classification_checkpoint(tmp_path):
         build_model(model_args(model_name_or_path=str(tmp_path / "missing")), ["x", "y"])
 
 
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_a_pickle_checkpoint_never_runs_and_a_truncated_one_is_named(tiny_vit, tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_vit, pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save({"x": _RunsCode()}, pickled / "pytorch_model.bin")
+    with pytest.raises(RecipeError) as caught:
+        build_model(model_args(model_name_or_path=str(pickled)), ["x", "y"])
+    weights = pickled / "pytorch_model.bin"
+    assert str(caught.value) == (
+        f"the pytorch_model.bin of '{pickled}' is a pickle holding more than weights, and pickles are only loaded as "
+        'plain weights: if you trust its source, convert it to safetensors once: python -c "import torch; from '
+        f"safetensors.torch import save_file; save_file(torch.load('{weights}', weights_only=False), "
+        f"'{pickled / 'model.safetensors'}')\""
+    )
+    assert "this must never run" not in capsys.readouterr().out
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_vit, truncated)
+    (truncated / "model.safetensors").write_bytes((tiny_vit / "model.safetensors").read_bytes()[:300])
+    with pytest.raises(RecipeError, match=r"cannot read the weights of '.*truncated': .*header"):
+        build_model(model_args(model_name_or_path=str(truncated)), ["x", "y"])
+
+
 def test_mean_std_and_saved_processor(tiny_vit, tmp_path):
     assert mean_std(model_args(model_name_or_path=str(tiny_vit))) == ((0.5,) * 3, (0.5,) * 3)
     processor = evaluation_processor(224, 0.875, (0.1, 0.2, 0.3), (0.4, 0.5, 0.6))

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 
@@ -52,6 +53,9 @@ def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, ru
         assert (out / name).is_file(), name
     card = (out / "README.md").read_text()
     assert "confusion_matrix_test.png" in card and "run_image_classification.py" in card
+    # no validation split: the carve is in the log and in the card
+    assert "No validation split: carved 100 of 400 train images into one (seed 42, stratified)" in printed
+    assert "- validation: 100 of the 400 train images, carved out of train (seed 42, stratified)" in card
     with open(out / "per_class_accuracy_test.csv") as f:
         assert len(list(csv.DictReader(f))) == 100
 
@@ -111,6 +115,25 @@ def test_pipeline_matches_script_and_predict_csv(digits_dir, tmp_path, run_scrip
     assert agreement >= 0.99, f"pipeline agrees on {agreement:.1%} only"
     truth = np.mean([row["label"] == row["file"].split("_")[1].split(".")[0] for row in rows])
     assert truth == pytest.approx(results["test_accuracy"], abs=1e-6)
+
+    # Predicting alone: the trained folder and images, no dataset; nothing is evaluated or rewritten.
+    (images / "zz_broken.png").write_bytes(b"not a png")
+    only = tmp_path / "predict_only"
+    predicted = run_script("--model_name_or_path", out, "--do_predict", "true", "--predict_images", images,
+                           "--output_dir", only, "--use_cpu", "true", "--report_to", "none")  # fmt: skip
+    assert not any(k.startswith(("eval_", "test_", "train_")) for k in predicted), predicted
+    assert sorted(p.name for p in only.iterdir() if p.is_file()) == ["all_results.json", "predictions.csv"]
+    with open(only / "predictions.csv") as f:
+        again = {row["file"]: (row["label"], row["score"]) for row in csv.DictReader(f)}
+    assert again.pop("zz_broken.png") == ("", "unreadable")
+    assert {name: label for name, (label, _) in again.items()} == ours
+    # A model without our labels.json (e.g. from the Hub): labels from its config, storage from the images.
+    hub_like = tmp_path / "hub_like"
+    shutil.copytree(out, hub_like, ignore=shutil.ignore_patterns("labels.json", "checkpoint-*"))
+    run_script("--model_name_or_path", hub_like, "--do_predict", "true", "--predict_images", images,
+               "--output_dir", tmp_path / "predict_hub_like", "--use_cpu", "true", "--report_to", "none")  # fmt: skip
+    with open(tmp_path / "predict_hub_like" / "predictions.csv") as f:
+        assert {row["file"]: row["label"] for row in csv.DictReader(f) if row["label"]} == ours
 
 
 def test_no_token_is_written_anywhere(cifar_like, tiny_vit, tmp_path, run_script, monkeypatch):

@@ -233,8 +233,8 @@ def test_translate_shifts_whole_pixels_and_fills_black(images, shift):
     else:
         expected_x[..., :k], expected_y[..., :k, :] = x[..., -k:], x[..., -k:, :]
     magnitude = torch.full((len(images),), float(shift))
-    torch.testing.assert_close(T.translate_x(x, magnitude), expected_x, atol=1e-3, rtol=0)
-    torch.testing.assert_close(T.translate_y(x, magnitude), expected_y, atol=1e-3, rtol=0)
+    torch.testing.assert_close(T.OPS["TranslateX"](x, magnitude), expected_x, atol=1e-3, rtol=0)
+    torch.testing.assert_close(T.OPS["TranslateY"](x, magnitude), expected_y, atol=1e-3, rtol=0)
 
 
 def source_coords(matrix, offset, size=32):

@@ -33,17 +33,9 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from vit_recipes import memory
 from vit_recipes.errors import RecipeError
-from vit_recipes.memory import (
-    BUFFER,
-    GIB,
-    ModelShape,
-    fsdp2_offload_host,
-    load_config,
-    model_shape,
-    zero2_states,
-    zero3_states,
-)
+from vit_recipes.memory import BUFFER, GIB, fsdp2_offload_host, load_config
 from vit_recipes.strategies import STRATEGIES, StrategySpec
 
 OPTIONS = tuple(s for s in STRATEGIES if s.multi_process)
@@ -83,6 +75,48 @@ class Estimate:
 # --------------------------------------------------------------------------------------------- the model
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    params: int
+    largest_layer_params: int
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    image_size: int
+    patch_size: int
+    num_labels: int
+    channels: int = 3
+
+    @property
+    def tokens(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + 1  # patches + [CLS]
+
+
+def model_shape(config, num_labels: int | None = None, image_size: int | None = None) -> ModelShape:
+    """Sizes of the classification model (built on the meta device: no memory) and the config's dimensions."""
+    config = config.__class__.from_dict(config.to_dict())  # a copy we may change
+    if num_labels:
+        config.num_labels = num_labels
+    if image_size:
+        config.image_size = image_size
+    params, largest = memory.model_size(config)
+    size = config.image_size[0] if isinstance(config.image_size, (list, tuple)) else config.image_size
+    patch = config.patch_size[0] if isinstance(config.patch_size, (list, tuple)) else config.patch_size
+    return ModelShape(
+        params=params,
+        largest_layer_params=largest,
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        image_size=int(size),
+        patch_size=int(patch),
+        num_labels=config.num_labels,
+        channels=getattr(config, "num_channels", 3),
+    )
+
+
 def activation_bytes(
     shape: ModelShape, batch: int, precision: str = "bf16", checkpointing: bool = False, attention: str = "sdpa"
 ) -> float:
@@ -98,6 +132,28 @@ def activation_bytes(
 
 
 # -------------------------------------------------------------------------------------------- model states
+
+
+def zero2_states(params: int, gpus_per_node: int, nodes: int, offload: bool) -> tuple[int, int]:
+    """DeepSpeed's ZeRO-2 estimator, or its formula (deepspeed 0.19) where DeepSpeed is not installed."""
+    try:
+        return memory.zero2_states(params, gpus_per_node, nodes, offload)
+    except ImportError:
+        n = gpus_per_node * nodes
+        if offload:
+            return int(params * max(4 * n, 16) * 1.5), 2 * params
+        return int(params * 4 * gpus_per_node * 1.5), 2 * params + int(18 * params / n)
+
+
+def zero3_states(params: int, largest: int, gpus_per_node: int, nodes: int, offload: bool) -> tuple[int, int, int]:
+    """DeepSpeed's ZeRO-3 estimator, or its formula (deepspeed 0.19, zero_init=True) where it is not installed."""
+    try:
+        return memory.zero3_states(params, largest, gpus_per_node, nodes, offload)
+    except ImportError:
+        n, layer = gpus_per_node * nodes, 4 * largest
+        if offload:
+            return int(params * 18 / nodes * 1.5), layer, layer
+        return int(largest * 4 * gpus_per_node * 1.5), layer + int(18 * params / n), layer
 
 
 def _accelerate_ddp(params: int, precision: str) -> dict[str, int]:

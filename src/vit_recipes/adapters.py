@@ -1,11 +1,5 @@
-"""What a fine-tuned model leaves behind: the final model saved (LoRA: the adapter, or the merged model) and loaded
-back for evaluation.
-
-`save_final_model` saves the adapter alone (default), or with `--merge_adapter` a merged plain model; either
-reloads with `load_model`. The adapter is checked to hold every LoRA weight when it is saved; under FSDP's
-activation checkpointing peft would save the head alone (ImageClassificationTrainer._save saves through
-`without_activation_wrappers`).
-"""
+"""Saving the final model (LoRA: the adapter, checked to hold every LoRA weight, or with `--merge_adapter` the
+merged model), and `load_model` to load either back for evaluation."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -27,16 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(path: str | os.PathLike, base_model_name_or_path: str | None = None, **kwargs):
-    """Load what the script saved in `path` for evaluation: a plain (full or merged) model, or the adapter on its base.
-
-    `base_model_name_or_path` overrides the base named in adapter_config.json (e.g. after moving the base folder).
-    """
+    """Load what the script saved in `path` for evaluation: a plain (full or merged) model, or the adapter on its base
+    (`base_model_name_or_path` overrides the base named in adapter_config.json, e.g. after moving the base folder)."""
     from transformers import AutoModelForImageClassification
 
     if not is_adapter_dir(path):
         return AutoModelForImageClassification.from_pretrained(path, **kwargs)
-    config = json.loads((Path(path) / "config.json").read_text())
-    id2label = config.get("id2label") or {}
+    id2label = json.loads((Path(path) / "config.json").read_text()).get("id2label") or {}
     labels = [id2label[k] for k in sorted(id2label, key=int)]
     base = base_model_name_or_path or adapter_base(path)
     model, _ = build_model(ModelArguments(model_name_or_path=base, **kwargs), labels)
@@ -45,17 +37,9 @@ def load_model(path: str | os.PathLike, base_model_name_or_path: str | None = No
 
 @contextlib.contextmanager
 def without_activation_wrappers(model: nn.Module):
-    """Take torch's activation-checkpoint wrappers out of the module tree for the duration (put back after).
-
-    FSDP's activation checkpointing (accelerate's fsdp2_apply_ac, i.e. --gradient_checkpointing under FSDP) wraps
-    each layer in torch's CheckpointWrapper, whose child `_checkpoint_wrapped_module` shows in module names
-    (`vit.layers.0._checkpoint_wrapped_module.attention.q_proj`) but not in parameter or state-dict names: the
-    wrapper strips it there. peft 0.21.2 picks the adapter's entries out of the state dict by the module names of
-    its LoRA layers (`_get_tuner_state_dict_key_prefixes`, which strips only FSDP1's leading `_fsdp_wrapped_module.`),
-    so under the wrapper no LoRA weight matches and the saved adapter holds the head alone. With the wrappers out,
-    module names are state-dict names again. Nothing runs the model meanwhile: only the module tree changes, the
-    parameters (FSDP2 shards included) and hooks stay as they are.
-    """
+    """Take torch's activation-checkpoint wrappers out of the module tree for the duration (put back after): they add
+    `_checkpoint_wrapped_module` to module names but not to state-dict names, and peft picks the adapter's state-dict
+    entries by module name, so it would save the head alone. Parameters (FSDP2 shards) and hooks stay."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
     swapped = []
@@ -76,28 +60,19 @@ def without_activation_wrappers(model: nn.Module):
             setattr(parent, name, child)
 
 
-def _saved_tensor_names(output_dir: Path) -> list[str] | None:
-    for name in ADAPTER_WEIGHTS:
-        path = output_dir / name
-        if path.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                with safe_open(str(path), framework="pt") as f:
-                    return list(f.keys())
-            return list(torch.load(path, map_location="cpu", weights_only=True))
-    return None
-
-
 def check_saved_adapter(output_dir: str | os.PathLike, model: nn.Module) -> None:
-    """RecipeError unless the adapter saved in output_dir holds as many LoRA weights as `model` has.
-
-    Catches an adapter saved without its LoRA weights (the head alone) when it is written, not when it is loaded.
-    """
+    """RecipeError unless the adapter saved in output_dir holds as many LoRA weights as `model` has."""
     output_dir = Path(output_dir)
-    saved = _saved_tensor_names(output_dir)
-    if saved is None:
+    files = [output_dir / name for name in ADAPTER_WEIGHTS if (output_dir / name).is_file()]
+    if not files:
         raise RecipeError(f"no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}) were saved in {output_dir}")
+    if files[0].suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(files[0]), framework="pt") as f:
+            saved = list(f.keys())
+    else:
+        saved = list(torch.load(files[0], map_location="cpu", weights_only=True))
     expected = sum(".lora_" in name for name, _ in model.named_parameters())
     found = sum(".lora_" in name for name in saved)
     if found != expected:
@@ -141,32 +116,11 @@ def _zero_config(trainer) -> dict:
 
 
 def drop_zero3_leaf_modules(trainer, setup: FinetuneSetup) -> None:
-    """LoRA under ZeRO-3: fetch parameters per submodule rather than per ZeRO-3 leaf layer.
-
-    ds_configs/zero3*.json gather each ViTLayer as one unit. With LoRA, DeepSpeed 0.19.8 released a leaf layer's
-    parameters before the adapters' gradients were accumulated ("The size of tensor a (0) must match the size of
-    tensor b (16)" in AccumulateGrad, CPU, 2 processes). The DeepSpeed engine is built at the first `train()`, after
-    this, from the plugin's config.
-    """
+    """LoRA under ZeRO-3: fetch parameters per submodule, not per leaf layer (ds_configs/zero3*.json's ViTLayer):
+    DeepSpeed 0.19.8 released a leaf's parameters before the adapters' gradients were accumulated."""
     lora_under_deepspeed = setup.method == "lora" and getattr(trainer, "is_deepspeed_enabled", False)
     if lora_under_deepspeed and _zero_config(trainer).pop("leaf_module", None):
         logger.info("LoRA under ZeRO-3: leaf_module dropped, parameters are fetched per submodule")
-
-
-@contextlib.contextmanager
-def _without_zero3_init():
-    """Load a model whole on this process even inside a ZeRO-3 run (from_pretrained would partition it)."""
-    try:
-        from transformers.integrations import deepspeed as hf_deepspeed
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def write_base_record(output_dir: str | os.PathLike, setup: FinetuneSetup) -> None:
@@ -176,8 +130,11 @@ def write_base_record(output_dir: str | os.PathLike, setup: FinetuneSetup) -> No
 
 def merge_adapter_folder(output_dir: str | os.PathLike, setup: FinetuneSetup) -> None:
     """Replace the adapter saved in output_dir with the merged plain model (base + LoRA update, head included)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
     output_dir = Path(output_dir)
-    with _without_zero3_init():
+    # Load the base whole on this process even inside a ZeRO-3 run (from_pretrained would partition it).
+    with mock.patch.object(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None):
         base, _ = build_model(setup.base_args, setup.label_names)
         merged = attach_adapter(base, output_dir, base_source=setup.base_args.model_name_or_path).merge_and_unload()
     for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS, BASE_RECORD):
@@ -188,11 +145,8 @@ def merge_adapter_folder(output_dir: str | os.PathLike, setup: FinetuneSetup) ->
 
 def save_final_model(trainer, setup: FinetuneSetup) -> None:
     """Save the trained model into output_dir: the model, the LoRA adapter (+ its base record), or the merged model.
-
-    Never pushes: trainer.save_model() alone would push at once, before the model card exists (the script pushes
-    once, with the card, at the end). The merge runs on the main process from the saved files, so it works the same
-    after DDP, ZeRO-2/3 (adapter gathered to 16 bits) and FSDP (full state dict).
-    """
+    Never pushes (save_model() alone would push before the model card exists). The merge runs on the main process
+    from the saved files, so it works the same after DDP, ZeRO-2/3 and FSDP."""
     trainer.save_model(_internal_call=True)
     if setup.method != "lora":
         return
@@ -201,7 +155,6 @@ def save_final_model(trainer, setup: FinetuneSetup) -> None:
         write_base_record(trainer.args.output_dir, setup)
         if setup.merge_adapter:
             merge_adapter_folder(trainer.args.output_dir, setup)
-    if not setup.merge_adapter:
-        return
-    trainer.accelerator.wait_for_everyone()
-    trainer.keep_saved_model = True  # push_to_hub uploads the merged model instead of saving the adapter again
+    if setup.merge_adapter:
+        trainer.accelerator.wait_for_everyone()
+        trainer.keep_saved_model = True  # push_to_hub uploads the merged model instead of saving the adapter again

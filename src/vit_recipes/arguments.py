@@ -1,8 +1,7 @@
-"""Command-line and recipe arguments: every dataclass the script parses, and the checks of their values.
+"""Command-line and recipe arguments: the dataclasses the script parses (one `--help` group each), and their checks.
 
-Every setting lives in exactly one dataclass field below (or in `TrainingArguments`). A YAML recipe passed with
-`--config` sets field values; flags on the command line override the recipe. Each dataclass is one `--help` group.
-This module imports nothing of ours but errors: what is derived from the arguments is worked out once, in plan.py.
+A YAML recipe (`--config`) sets field values; command-line flags override it. This module imports nothing of ours
+but errors: what is derived from the arguments is worked out once, in plan.py.
 """
 
 from __future__ import annotations
@@ -28,46 +27,35 @@ from .errors import RecipeError
 logger = logging.getLogger(__name__)
 
 
+def _arg(default: Any, help_text: str) -> Any:
+    """A dataclass field with its `--help` text."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass
 class ModelArguments:
     """Which model to fine-tune, or which config to train from scratch."""
 
     _argument_group_name = "model"
 
-    model_name_or_path: str | None = field(
-        default="google/vit-base-patch16-224-in21k",
-        metadata={
-            "help": "Hub id or local path of the checkpoint to fine-tune. Set to null to train from scratch "
-            "from --config_name."
-        },
+    model_name_or_path: str | None = _arg(
+        "google/vit-base-patch16-224-in21k",
+        "Hub id or local path of the checkpoint to fine-tune. Set to null to train from scratch from --config_name.",
     )
-    config_name: str | None = field(
-        default=None,
-        metadata={"help": "Train from scratch: a model type such as 'vit', or a Hub id/path whose config to use."},
+    config_name: str | None = _arg(None, "Train from scratch from this config: a model type ('vit') or a Hub id/path.")
+    config_overrides: str | None = _arg(
+        None,
+        "Comma-separated config overrides when training from scratch, e.g. 'hidden_size=192,num_hidden_layers=6,"
+        "num_attention_heads=3,intermediate_size=768,image_size=32,patch_size=4'.",
     )
-    config_overrides: str | None = field(
-        default=None,
-        metadata={
-            "help": "Comma-separated config overrides when training from scratch, e.g. "
-            "'hidden_size=192,num_hidden_layers=6,num_attention_heads=3,intermediate_size=768,image_size=32,"
-            "patch_size=4'."
-        },
-    )
-    image_processor_name: str | None = field(
-        default=None, metadata={"help": "Image processor to take mean/std from (default: the model's)."}
-    )
-    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of the checkpoint."})
-    cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub downloads."})
-    attn_implementation: str = field(
-        default="sdpa", metadata={"help": "Attention kernel: 'sdpa' (fused, default) or 'eager'."}
-    )
-    patch_embedding_matmul: bool = field(
-        default=True,
-        metadata={
-            "help": "Compute the patch embedding (a convolution whose kernel equals its stride) as one matmul over "
-            "the flattened patches: the same sums, several times faster on a GPU (docs/benchmarks.md). Weights and "
-            "saved models are unchanged; false keeps the convolution."
-        },
+    image_processor_name: str | None = _arg(None, "Image processor to take mean/std from (default: the model's).")
+    model_revision: str = _arg("main", "Branch, tag or commit of the checkpoint.")
+    cache_dir: str | None = _arg(None, "Where to cache Hub downloads.")
+    attn_implementation: str = _arg("sdpa", "Attention kernel: 'sdpa' (fused, default) or 'eager'.")
+    patch_embedding_matmul: bool = _arg(
+        True,
+        "Compute the patch embedding (a convolution whose kernel equals its stride) as one matmul over the flattened "
+        "patches: same sums, faster on a GPU; weights and saved models unchanged (false keeps the convolution).",
     )
 
 
@@ -77,51 +65,29 @@ class DataArguments:
 
     _argument_group_name = "data"
 
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "A preset (cifar100, food101, beans), any Hub dataset id, or a local path: an imagefolder "
-            "tree, a folder of parquet/arrow files, or a save_to_disk folder."
-        },
+    dataset_name: str | None = _arg(
+        None,
+        "A preset (cifar100, food101, beans), any Hub dataset id, or a local path: an imagefolder tree, a folder of "
+        "parquet/arrow files, or a save_to_disk folder.",
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
-    image_column_name: str | None = field(
-        default=None, metadata={"help": "Image column (default: the preset's, else detected)."}
+    dataset_config_name: str | None = _arg(None, "Hub dataset configuration name.")
+    image_column_name: str | None = _arg(None, "Image column (default: the preset's, else detected).")
+    label_column_name: str | None = _arg(None, "Label column (default: the preset's, else detected).")
+    train_split_name: str = _arg("train", "Split to train on.")
+    validation_split_name: str | None = _arg(None, "Validation split (default: validation/valid/val if present).")
+    test_split_name: str | None = _arg(None, "Test split evaluated once at the end (default: 'test' if present).")
+    validation_split_percentage: float = _arg(
+        0.1, "Fraction of train carved (seeded, stratified) into validation when there is none."
     )
-    label_column_name: str | None = field(
-        default=None, metadata={"help": "Label column (default: the preset's, else detected)."}
+    max_train_samples: int | None = _arg(None, "Cap train at this many images: a seeded sample, stratified by class.")
+    max_eval_samples: int | None = _arg(None, "Cap validation and test: a seeded sample, stratified by class.")
+    storage_size: int | None = _arg(
+        None,
+        "Side of the square uint8 images the DataLoader delivers. Default: the native size when most images share one "
+        "no larger than the model's, else image_size/0.875 (256 for 224).",
     )
-    train_split_name: str = field(default="train", metadata={"help": "Split to train on."})
-    validation_split_name: str | None = field(
-        default=None, metadata={"help": "Validation split (default: 'validation'/'valid'/'val' if present)."}
-    )
-    test_split_name: str | None = field(
-        default=None, metadata={"help": "Test split evaluated once at the end (default: 'test' if present)."}
-    )
-    validation_split_percentage: float = field(
-        default=0.1,
-        metadata={"help": "Fraction of train carved (seeded, stratified) into validation when there is none."},
-    )
-    max_train_samples: int | None = field(
-        default=None, metadata={"help": "Cap train at this many images: a seeded sample, stratified by class."}
-    )
-    max_eval_samples: int | None = field(
-        default=None, metadata={"help": "Cap validation and test: a seeded sample, stratified by class."}
-    )
-    storage_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Side of the square uint8 images the DataLoader delivers. Default: the native size when all "
-            "images share one no larger than the model's, else image_size/0.875 (256 for 224)."
-        },
-    )
-    preprocessing_num_workers: int | None = field(
-        default=None, metadata={"help": "Processes that decode images once into the on-disk cache."}
-    )
-    predict_images: str | None = field(
-        default=None,
-        metadata={"help": "With --do_predict: a folder (or single image) to classify into predictions.csv."},
-    )
+    preprocessing_num_workers: int | None = _arg(None, "Processes that decode images once into the on-disk cache.")
+    predict_images: str | None = _arg(None, "--do_predict: a folder or one image to classify into predictions.csv.")
 
 
 @dataclass
@@ -130,19 +96,18 @@ class AugmentationArguments:
 
     _argument_group_name = "augmentation"
 
-    crop_scale_min: float = field(
-        default=0.08, metadata={"help": "Smallest area fraction of random-resized crop (1.0 disables cropping)."}
-    )
-    hflip_prob: float = field(default=0.5, metadata={"help": "Probability of a horizontal flip."})
-    auto_augment: str = field(
-        default="none", metadata={"help": "Extra policy: 'none', 'randaugment' or 'trivialaugment'."}
-    )
-    randaugment_num_ops: int = field(default=2, metadata={"help": "RandAugment: ops per image."})
-    randaugment_magnitude: int = field(default=9, metadata={"help": "RandAugment: magnitude (0-30)."})
-    mixup_alpha: float = field(default=0.0, metadata={"help": "Mixup Beta(alpha, alpha); 0 disables."})
-    cutmix_alpha: float = field(default=0.0, metadata={"help": "CutMix Beta(alpha, alpha); 0 disables."})
-    eval_crop_pct: float = field(
-        default=1.0, metadata={"help": "Evaluation: resize to image_size/eval_crop_pct, then centre-crop."}
+    crop_scale_min: float = _arg(0.08, "Smallest area fraction of random-resized crop (1.0 disables cropping).")
+    hflip_prob: float = _arg(0.5, "Probability of a horizontal flip.")
+    auto_augment: str = _arg("none", "Extra policy: 'none', 'randaugment' or 'trivialaugment'.")
+    randaugment_num_ops: int = _arg(2, "RandAugment: ops per image.")
+    randaugment_magnitude: int = _arg(9, "RandAugment: magnitude (0-30).")
+    mixup_alpha: float = _arg(0.0, "Mixup Beta(alpha, alpha); 0 disables.")
+    cutmix_alpha: float = _arg(0.0, "CutMix Beta(alpha, alpha); 0 disables.")
+    eval_crop_pct: float = _arg(1.0, "Evaluation: resize to image_size/eval_crop_pct, then centre-crop.")
+    patch_dropout: float = _arg(
+        0.0,
+        "Fraction of patch tokens each training image drops at random (PatchDropout; timm's patch_drop_rate): "
+        "shorter sequences, faster steps. Evaluation and prediction see every patch. 0 disables.",
     )
 
 
@@ -152,40 +117,31 @@ class LoraArguments:
 
     _argument_group_name = "LoRA and head-only fine-tuning"
 
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of the full model."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling alpha (updates are scaled by alpha/r)."})
-    lora_dropout: float = field(default=0.1, metadata={"help": "Dropout on the LoRA path."})
-    lora_target_modules: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Module names to adapt, matched as name suffixes (e.g. q_proj v_proj fc1), or 'all-linear'. "
-            "Default: the attention query and value projections, whatever the transformers version calls them."
-        },
+    use_peft: bool = _arg(False, "Train LoRA adapters instead of the full model.")
+    lora_r: int = _arg(16, "LoRA rank.")
+    lora_alpha: int = _arg(16, "LoRA scaling alpha (updates are scaled by alpha/r).")
+    lora_dropout: float = _arg(0.1, "Dropout on the LoRA path.")
+    lora_target_modules: list[str] | None = _arg(
+        None,
+        "Module names to adapt, matched as name suffixes (e.g. q_proj v_proj fc1), or 'all-linear'. Default: the "
+        "attention query and value projections, whatever the transformers version calls them.",
     )
-    merge_adapter: bool = field(
-        default=False, metadata={"help": "Save a merged plain model instead of the adapter alone."}
-    )
-    freeze_backbone: bool = field(
-        default=False,
-        metadata={"help": "Train the classifier head alone on a frozen backbone (the baseline LoRA must beat)."},
-    )
+    merge_adapter: bool = _arg(False, "Save a merged plain model instead of the adapter alone.")
+    freeze_backbone: bool = _arg(False, "Train only the head, on a frozen backbone (the baseline LoRA must beat).")
 
     def __post_init__(self):
-        _require(
-            (self.lora_r > 0, f"lora_r must be > 0, got {self.lora_r}"),
-            (self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}"),
-            (0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}"),
-            (self.use_peft or not self.merge_adapter, "--merge_adapter needs --use_peft (there is no adapter)"),
-            (
-                not (self.use_peft and self.freeze_backbone),
-                "--freeze_backbone and --use_peft exclude each other: LoRA already freezes the backbone",
-            ),
-            (
-                self.lora_target_modules is None or len(self.lora_target_modules) > 0,
-                "--lora_target_modules needs at least one name",
-            ),
-        )
+        if not self.lora_r > 0:
+            raise RecipeError(f"lora_r must be > 0, got {self.lora_r}")
+        if not self.lora_alpha > 0:
+            raise RecipeError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise RecipeError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.merge_adapter and not self.use_peft:
+            raise RecipeError("--merge_adapter needs --use_peft (there is no adapter)")
+        if self.use_peft and self.freeze_backbone:
+            raise RecipeError("--freeze_backbone and --use_peft exclude each other: LoRA already freezes the backbone")
+        if self.lora_target_modules is not None and len(self.lora_target_modules) == 0:
+            raise RecipeError("--lora_target_modules needs at least one name")
 
     @property
     def method(self) -> str:
@@ -199,27 +155,21 @@ class ObservabilityArguments:
 
     _argument_group_name = "profiling and plots"
 
-    profile_steps: str | None = field(
-        default=None,
-        metadata={
-            "help": "Capture PyTorch profiler Chrome traces (one per rank) for these training steps, e.g. '20-25' "
-            "(pick a window after warm-up). Analyse with `python benchmarks/trace_analysis.py OUTPUT_DIR/profiler`."
-        },
+    profile_steps: str | None = _arg(
+        None,
+        "Capture PyTorch profiler Chrome traces (one per rank) for these training steps, e.g. '20-25' (pick a window "
+        "after warm-up). Analyse with `python benchmarks/trace_analysis.py OUTPUT_DIR/profiler`.",
     )
-    profile_dir: str | None = field(default=None, metadata={"help": "Where traces go (default: OUTPUT_DIR/profiler)."})
-    profile_memory: bool = field(
-        default=False, metadata={"help": "Profiler: also record tensor allocations (bigger traces)."}
-    )
-    profile_record_shapes: bool = field(default=False, metadata={"help": "Profiler: record operator input shapes."})
-    profile_with_stack: bool = field(
-        default=False, metadata={"help": "Profiler: record Python stacks (much bigger traces)."}
-    )
-    plots: bool = field(default=True, metadata={"help": "Write loss/learning-rate/metric PNG plots after the run."})
+    profile_dir: str | None = _arg(None, "Where traces go (default: OUTPUT_DIR/profiler).")
+    profile_memory: bool = _arg(False, "Profiler: also record tensor allocations (bigger traces).")
+    profile_record_shapes: bool = _arg(False, "Profiler: record operator input shapes.")
+    profile_with_stack: bool = _arg(False, "Profiler: record Python stacks (much bigger traces).")
+    plots: bool = _arg(True, "Write loss/learning-rate/metric PNG plots after the run.")
 
     def __post_init__(self):
-        if self.profile_steps is not None and str(self.profile_steps).strip().lower() in ("", "none", "null"):
+        if str(self.profile_steps).strip().lower() in ("", "none", "null"):  # None too
             self.profile_steps = None
-        if self.profile_steps is not None:
+        else:
             parse_steps(self.profile_steps)  # ValueError -> one-line RecipeError in parse_args
 
     @property
@@ -229,15 +179,11 @@ class ObservabilityArguments:
 
 def parse_steps(spec: str | int) -> tuple[int, int]:
     """'20-25' -> (20, 25), '7' -> (7, 7): first and last optimizer step (1-based, inclusive) to profile."""
-    text = str(spec).strip()
-    parts = text.split("-")
+    parts = str(spec).strip().split("-")
     try:
-        if len(parts) == 1:
-            start = end = int(parts[0])
-        elif len(parts) == 2:
-            start, end = int(parts[0]), int(parts[1])
-        else:
+        if len(parts) > 2:
             raise ValueError
+        start, end = int(parts[0]), int(parts[-1])
     except ValueError:
         raise ValueError(f"profile_steps must look like '20-25' or '20', got {spec!r}") from None
     if start < 1 or end < start:
@@ -245,22 +191,14 @@ def parse_steps(spec: str | int) -> tuple[int, int]:
     return start, end
 
 
-DEFAULT_REPORT_TO = "tensorboard"
-
-
 def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
 
 
 def resolve_report_to(report_to):
-    """Normalise `report_to` before TrainingArguments sees it.
-
-    Accepts a list, or a string with commas ("tensorboard,wandb"). TensorBoard (the default: local, no account) is
-    dropped with one warning when neither tensorboard nor tensorboardX is installed, instead of failing the run.
-    """
-    if report_to is None:
-        return "none"
-    names = report_to if isinstance(report_to, (list, tuple)) else str(report_to).split(",")
+    """Normalise `report_to` (a list, or "tensorboard,wandb"). TensorBoard, the default, is dropped with one warning
+    when it is not installed, instead of failing the run."""
+    names = report_to if isinstance(report_to, (list, tuple)) else str(report_to or "none").split(",")
     names = [str(n).strip(" []'\"") for n in names]  # also tolerates a YAML list read as its string form
     names = [n for n in names if n]
     if "tensorboard" in names and not tensorboard_available():
@@ -271,68 +209,48 @@ def resolve_report_to(report_to):
     return names[0] if len(names) == 1 else names
 
 
-def _default_workers() -> int:
-    # Our loader only slices pre-decoded uint8 arrays, so a few workers keep any GPU fed.
-    return min(8, max(1, (os.cpu_count() or 2) // 2))
-
-
 @dataclass
 class RecipeTrainingArguments(TrainingArguments):
     """`TrainingArguments` with defaults suited to image classification."""
 
     _argument_group_name = "training (transformers TrainingArguments, with these defaults)"
 
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Replace an output_dir that holds a different or finished run."}
-    )
-    remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Keep pixel columns (see TrainingArguments)."}
-    )
-    eval_strategy: str = field(default="epoch", metadata={"help": "When to evaluate: 'no', 'steps' or 'epoch'."})
-    save_strategy: str = field(default="epoch", metadata={"help": "When to checkpoint: 'no', 'steps' or 'epoch'."})
-    save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept on disk."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N steps."})
+    overwrite_output_dir: bool = _arg(False, "Replace an output_dir that holds a different or finished run.")
+    remove_unused_columns: bool = _arg(False, "Keep pixel columns (see TrainingArguments).")
+    eval_strategy: str = _arg("epoch", "When to evaluate: 'no', 'steps' or 'epoch'.")
+    save_strategy: str = _arg("epoch", "When to checkpoint: 'no', 'steps' or 'epoch'.")
+    save_total_limit: int | None = _arg(2, "Checkpoints kept on disk.")
+    logging_steps: float = _arg(10, "Log every N steps.")
     dataloader_num_workers: int = field(
-        default_factory=_default_workers, metadata={"help": "DataLoader workers (default: half the cores, at most 8)."}
+        default_factory=lambda: min(8, max(1, (os.cpu_count() or 2) // 2)),
+        metadata={"help": "DataLoader workers (default: half the cores, at most 8: they only slice decoded arrays)."},
     )
-    dataloader_persistent_workers: bool = field(
-        default=True, metadata={"help": "Keep DataLoader workers alive between epochs."}
-    )
-    dataloader_prefetch_factor: int | None = field(default=4, metadata={"help": "Batches prefetched per worker."})
-    ddp_find_unused_parameters: bool | None = field(
-        default=False,
-        metadata={
-            "help": "DDP searches the graph for unused parameters each step when true; ViT (full, LoRA or head "
-            "only) uses every trainable parameter, so the default skips that extra pass."
-        },
+    dataloader_persistent_workers: bool = _arg(True, "Keep DataLoader workers alive between epochs.")
+    dataloader_prefetch_factor: int | None = _arg(4, "Batches prefetched per worker.")
+    ddp_find_unused_parameters: bool | None = _arg(
+        False, "DDP's per-step search for unused parameters: off, as ViT (full, LoRA or head only) uses every one."
     )
     gradient_checkpointing_kwargs: dict | str | None = field(
         default_factory=lambda: {"use_reentrant": False},
         metadata={"help": "Non-reentrant by default: works with frozen inputs (LoRA) and every strategy."},
     )
-    torch_compile_regions: bool = field(
-        default=False,
-        metadata={
-            "help": "torch.compile each transformer layer (compiled once, reused for every layer: accelerate's "
-            "regional compilation, also under DeepSpeed and FSDP2) and the rest of the model apart, instead of the "
-            "whole model at once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply."
-        },
+    torch_compile_regions: bool = _arg(
+        False,
+        "torch.compile each transformer layer (compiled once, reused for every layer: accelerate's regional "
+        "compilation, also under DeepSpeed and FSDP2) and the rest of the model apart, instead of the whole model at "
+        "once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply.",
     )
-    fp8: bool = field(
-        default=False,
-        metadata={
-            "help": "Run the transformer's linear layers in FP8 (torchao float8, per-tensor scales; needs torchao and "
-            "a GPU with FP8 tensor cores: H100, H200, L40S). Weights, optimizer and saved model stay as they are; "
-            "the head and LoRA adapters stay in bf16. One GPU or DDP. Emulated (no speed-up) on the CPU. Saves "
-            "memory; slower for ViT-B/H, whose layers are too narrow (docs/benchmarks.md)."
-        },
+    fp8: bool = _arg(
+        False,
+        "Run the transformer's linear layers in FP8 (torchao float8, per-tensor scales; needs torchao and a GPU with "
+        "FP8 tensor cores: H100, H200, L40S). Weights, optimizer and saved model stay as they are; the head and LoRA "
+        "adapters stay in bf16. One GPU or DDP. Emulated (no speed-up) on the CPU. Saves memory; slower for ViT-B/H, "
+        "whose layers are too narrow (docs/benchmarks.md).",
     )
-    report_to: None | str | list[str] = field(
-        default=DEFAULT_REPORT_TO,
-        metadata={
-            "help": "Trackers, comma-separated: tensorboard (default: local files under OUTPUT_DIR/runs), trackio, "
-            "wandb (WANDB_MODE=offline needs no account), or none."
-        },
+    report_to: None | str | list[str] = _arg(
+        "tensorboard",
+        "Trackers, comma-separated: tensorboard (default: local files under OUTPUT_DIR/runs), trackio, wandb "
+        "(WANDB_MODE=offline needs no account), or none.",
     )
 
     def __post_init__(self):
@@ -350,34 +268,27 @@ class RecipeTrainingArguments(TrainingArguments):
             # every epoch, for 2,000 img/s steps). Dropping it costs under one batch of images per epoch.
             logger.info("--torch_compile: dropping each epoch's incomplete last batch (a new shape would recompile)")
             self.dataloader_drop_last = True
+        if self.do_predict and not (self.do_train or self.do_eval):
+            # TrainingArguments turns do_eval on for any eval_strategy (default here: epoch), which is about
+            # evaluating during training: a run that only predicts evaluates nothing it was not asked to.
+            self.eval_strategy = "no"
         super().__post_init__()
         align_matmul_precision()
 
 
 def _to_activation_checkpointing(args: TrainingArguments) -> None:
-    """Hand `gradient_checkpointing(_kwargs)` to the names newer transformers read (`activation_checkpointing*`).
-
-    Recipes keep the old names, which every supported transformers reads; where the new ones exist (5.2x), passing
-    the old ones prints a FutureWarning on every run. Moving the values over first (the new name unset) keeps the
-    behaviour and silences it; the old names mirror the new ones again after TrainingArguments' own __post_init__.
-    """
-    for old, new in (
-        ("gradient_checkpointing", "activation_checkpointing"),
-        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
-    ):
+    """Move `gradient_checkpointing(_kwargs)` to the `activation_checkpointing*` names, where they exist (5.2x): the
+    old ones print a FutureWarning every run there. TrainingArguments' __post_init__ mirrors the values back."""
+    for old in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):
+        new = old.replace("gradient_", "activation_")
         if hasattr(args, new) and getattr(args, new) is None and getattr(args, old) is not None:
             setattr(args, new, getattr(args, old))
             setattr(args, old, None)
 
 
 def align_matmul_precision() -> None:
-    """Give torch's legacy TF32 setting the value transformers set through the new API.
-
-    Compiling on a GPU, transformers enables TF32 with `torch.backends.fp32_precision = "tf32"`; inductor's matmul
-    autotuning (`--torch_compile_mode max-autotune*`) still reads the legacy `torch.get_float32_matmul_precision()`,
-    which raises on the mix ("mix of the legacy and new APIs", torch 2.11 on an H200 and 2.13). "high" is the legacy
-    name for the same TF32 choice, so nothing else changes.
-    """
+    """Give torch's legacy TF32 setting ("high") the value transformers set through the new API (compiling on a GPU):
+    max-autotune reads the legacy `torch.get_float32_matmul_precision()`, which raises on the mix."""
     if getattr(torch.backends, "fp32_precision", None) == "tf32":
         torch.set_float32_matmul_precision("high")
 
@@ -392,34 +303,26 @@ ARGUMENT_CLASSES = (
 )
 
 
-def build_parser() -> HfArgumentParser:
-    parser = HfArgumentParser(ARGUMENT_CLASSES)
-    parser.add_argument("--config", default=None, help="YAML recipe whose keys are any of the arguments below.")
-    return parser
-
-
 def _coerce(key: str, value: Any, action: argparse.Action, source: str) -> Any:
     """Give a recipe value the type its flag would have (YAML reads `5e-5` as a string, for one)."""
-    if value is None or action.type is None or not callable(action.type):
+    if value is None or not callable(action.type):
         return value
     if action.nargs in ("+", "*") and isinstance(value, list):
         return [_coerce(key, v, argparse.Namespace(type=action.type, nargs=None), source) for v in value]
     if isinstance(value, bool) and action.type in (int, float):
         raise RecipeError(f"{source}: '{key}' must be a number, got {value!r}")
-    if action.type in (int, float, str):
-        try:
-            coerced = action.type(value)
-        except (TypeError, ValueError):
+    plain = action.type in (int, float, str)
+    if not (plain or isinstance(value, str)):
+        return value
+    try:
+        coerced = action.type(value)
+    except (TypeError, ValueError) as err:
+        if plain:
             raise RecipeError(f"{source}: '{key}' must be {action.type.__name__}, got {value!r}") from None
-        if action.type is int and isinstance(value, float) and coerced != value:
-            raise RecipeError(f"{source}: '{key}' must be a whole number, got {value!r}")
-        return coerced
-    if isinstance(value, str):
-        try:
-            return action.type(value)
-        except (TypeError, ValueError) as err:
-            raise RecipeError(f"{source}: '{key}' has a bad value {value!r}: {err}") from None
-    return value
+        raise RecipeError(f"{source}: '{key}' has a bad value {value!r}: {err}") from None
+    if action.type is int and isinstance(value, float) and coerced != value:
+        raise RecipeError(f"{source}: '{key}' must be a whole number, got {value!r}")
+    return coerced
 
 
 def load_recipe(path: str | os.PathLike, parser: HfArgumentParser) -> dict[str, Any]:
@@ -464,11 +367,10 @@ def parse_args(
 ) -> RunArguments:
     """Parse recipe + command line (the command line wins) into the argument dataclasses.
 
-    Building `TrainingArguments` starts the process group of a multi-process launch, so
-    `before_process_group(use_cpu)` runs first, on the parsed values, for checks that must precede it.
-    """
+    `before_process_group(use_cpu)` runs first: building `TrainingArguments` starts a launch's process group."""
     argv = _attach_negative_numbers(sys.argv[1:] if argv is None else list(argv))
-    parser = build_parser()
+    parser = HfArgumentParser(ARGUMENT_CLASSES)
+    parser.add_argument("--config", default=None, help="YAML recipe whose keys are any of the arguments below.")
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
@@ -488,7 +390,9 @@ def parse_args(
     except ValueError as err:  # raised by TrainingArguments.__post_init__ on inconsistent values
         raise RecipeError(f"invalid arguments: {str(err).splitlines()[0]}") from None
     args = RunArguments(*parsed, recipe=known.config)
-    _move_token_out_of_args(args.training)
+    if args.training.hub_token:  # TrainingArguments is pickled into every checkpoint: a token there would leak
+        os.environ["HF_TOKEN"] = args.training.hub_token
+        args.training.hub_token = None
     validate_arguments(args)
     return args
 
@@ -508,84 +412,57 @@ def _attach_negative_numbers(argv: list[str]) -> list[str]:
     return out
 
 
-def _move_token_out_of_args(training_args: TrainingArguments) -> None:
-    # TrainingArguments is pickled into every checkpoint (training_args.bin): a token there would leak with it.
-    if training_args.hub_token:
-        os.environ["HF_TOKEN"] = training_args.hub_token
-        training_args.hub_token = None
-
-
-def _require(*checks: tuple[Any, str]) -> None:
-    for ok, message in checks:
-        if not ok:
-            raise RecipeError(message)
-
-
 def validate_arguments(args: RunArguments) -> None:
     """Reject values that would only fail (or silently misbehave) later, in one line each."""
-    model_args, data_args, aug_args, training_args = args.model, args.data, args.augment, args.training
-    _require(
-        (training_args.learning_rate > 0, f"learning_rate must be > 0, got {training_args.learning_rate}"),
-        (
-            training_args.per_device_train_batch_size > 0,
-            f"per_device_train_batch_size must be > 0, got {training_args.per_device_train_batch_size}",
-        ),
-        (
-            training_args.per_device_eval_batch_size > 0,
-            f"per_device_eval_batch_size must be > 0, got {training_args.per_device_eval_batch_size}",
-        ),
-        (
-            training_args.gradient_accumulation_steps > 0,
-            f"gradient_accumulation_steps must be > 0, got {training_args.gradient_accumulation_steps}",
-        ),
-        (
-            training_args.max_steps > 0 or training_args.num_train_epochs > 0,
-            "num_train_epochs must be > 0 (or set max_steps)",
-        ),
-        (
-            0 < data_args.validation_split_percentage < 1,
-            f"validation_split_percentage must be in (0, 1), got {data_args.validation_split_percentage}",
-        ),
-        (
-            data_args.storage_size is None or data_args.storage_size > 0,
-            f"storage_size must be > 0, got {data_args.storage_size}",
-        ),
-        (0 < aug_args.crop_scale_min <= 1, f"crop_scale_min must be in (0, 1], got {aug_args.crop_scale_min}"),
-        (0 <= aug_args.hflip_prob <= 1, f"hflip_prob must be in [0, 1], got {aug_args.hflip_prob}"),
-        (
-            aug_args.auto_augment in ("none", "randaugment", "trivialaugment"),
-            f"auto_augment must be none, randaugment or trivialaugment, got {aug_args.auto_augment!r}",
-        ),
-        (aug_args.mixup_alpha >= 0 and aug_args.cutmix_alpha >= 0, "mixup_alpha and cutmix_alpha must be >= 0"),
-        (0 < aug_args.eval_crop_pct <= 1, f"eval_crop_pct must be in (0, 1], got {aug_args.eval_crop_pct}"),
-        (
-            0 <= training_args.label_smoothing_factor < 1,
-            f"label_smoothing_factor must be in [0, 1), got {training_args.label_smoothing_factor}",
-        ),
-        (
-            model_args.model_name_or_path or model_args.config_name,
-            "set --model_name_or_path to fine-tune, or --config_name to train from scratch",
-        ),
-        (
-            data_args.dataset_name or not (training_args.do_train or training_args.do_eval),
-            "--dataset_name is required: a preset (cifar100, food101, beans), a Hub id or a local path",
-        ),
-        (
-            not (training_args.do_predict and data_args.predict_images is None and data_args.dataset_name is None),
-            "--do_predict needs --predict_images (a folder of images) or a dataset with a test split",
-        ),
-        (
-            not (args.lora.merge_adapter and training_args.push_to_hub)
-            or str(getattr(training_args.hub_strategy, "value", training_args.hub_strategy)) == "end",
+    model, data, aug, train = args.model, args.data, args.augment, args.training
+    # `not x > 0` rather than `x <= 0`: NaN fails every check.
+    if not train.learning_rate > 0:
+        raise RecipeError(f"learning_rate must be > 0, got {train.learning_rate}")
+    if not train.per_device_train_batch_size > 0:
+        raise RecipeError(f"per_device_train_batch_size must be > 0, got {train.per_device_train_batch_size}")
+    if not train.per_device_eval_batch_size > 0:
+        raise RecipeError(f"per_device_eval_batch_size must be > 0, got {train.per_device_eval_batch_size}")
+    if not train.gradient_accumulation_steps > 0:
+        raise RecipeError(f"gradient_accumulation_steps must be > 0, got {train.gradient_accumulation_steps}")
+    if not (train.max_steps > 0 or train.num_train_epochs > 0):
+        raise RecipeError("num_train_epochs must be > 0 (or set max_steps)")
+    if not 0 < data.validation_split_percentage < 1:
+        raise RecipeError(f"validation_split_percentage must be in (0, 1), got {data.validation_split_percentage}")
+    if not (data.storage_size is None or data.storage_size > 0):
+        raise RecipeError(f"storage_size must be > 0, got {data.storage_size}")
+    if not 0 < aug.crop_scale_min <= 1:
+        raise RecipeError(f"crop_scale_min must be in (0, 1], got {aug.crop_scale_min}")
+    if not 0 <= aug.hflip_prob <= 1:
+        raise RecipeError(f"hflip_prob must be in [0, 1], got {aug.hflip_prob}")
+    if aug.auto_augment not in ("none", "randaugment", "trivialaugment"):
+        raise RecipeError(f"auto_augment must be none, randaugment or trivialaugment, got {aug.auto_augment!r}")
+    if not (aug.mixup_alpha >= 0 and aug.cutmix_alpha >= 0):
+        raise RecipeError("mixup_alpha and cutmix_alpha must be >= 0")
+    if not 0 < aug.eval_crop_pct <= 1:
+        raise RecipeError(f"eval_crop_pct must be in (0, 1], got {aug.eval_crop_pct}")
+    if not 0 <= aug.patch_dropout < 1:
+        raise RecipeError(f"patch_dropout must be in [0, 1), got {aug.patch_dropout}")
+    if not 0 <= train.label_smoothing_factor < 1:
+        raise RecipeError(f"label_smoothing_factor must be in [0, 1), got {train.label_smoothing_factor}")
+    if not (model.model_name_or_path or model.config_name):
+        raise RecipeError("set --model_name_or_path to fine-tune, or --config_name to train from scratch")
+    if not data.dataset_name and (train.do_train or train.do_eval):
+        raise RecipeError("--dataset_name is required: a preset (cifar100, food101, beans), a Hub id or a local path")
+    if not (data.dataset_name or model.model_name_or_path):
+        raise RecipeError("predicting without --dataset_name needs a trained model: pass --model_name_or_path")
+    if train.do_predict and data.predict_images is None and data.dataset_name is None:
+        raise RecipeError("--do_predict needs --predict_images (a folder of images) or a dataset with a test split")
+    hub_strategy = str(getattr(train.hub_strategy, "value", train.hub_strategy))
+    if args.lora.merge_adapter and train.push_to_hub and hub_strategy != "end":
+        raise RecipeError(
             "--merge_adapter with --push_to_hub needs --hub_strategy end: pushing every save would put adapter files "
-            "into the repository of the merged model",
-        ),
-        (
-            args.lora.method == "full" or model_args.model_name_or_path,
+            "into the repository of the merged model"
+        )
+    if args.lora.method != "full" and not model.model_name_or_path:
+        raise RecipeError(
             f"--{'use_peft' if args.lora.use_peft else 'freeze_backbone'} needs pretrained weights "
-            "(--model_name_or_path): a frozen randomly initialised backbone cannot learn",
-        ),
-    )
+            "(--model_name_or_path): a frozen randomly initialised backbone cannot learn"
+        )
 
 
 def run_config(args: RunArguments) -> dict[str, Any]:

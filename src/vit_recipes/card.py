@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -9,10 +10,12 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .data import resolve_source
 from .hub import redact
+from .launch import env_int
 
 logger = logging.getLogger(__name__)
 
@@ -36,26 +39,27 @@ class CardInfo:
     throughput: float | None  # training images/s
     per_class_markdown: str | None
     confusion_matrix_file: str | None  # relative to the output dir
-    license: str = "apache-2.0"
     extra_tags: list[str] = field(default_factory=list)
     library_name: str = "transformers"
+    data_notes: list[str] = field(default_factory=list)  # what the run changed in the data (data.ImageSplits.notes)
 
 
-# metric key (without split prefix) -> (model-index metric_type, display name, metric_args)
-def _metric_spec(key: str) -> tuple[str, str, dict | None] | None:
+def _metric_spec(key: str) -> dict | None:
+    """A metric key (without split prefix) as model-index `EvalResult` fields; None for a metric it does not know."""
     if key == "accuracy":
-        return "accuracy", "Accuracy", None
+        return {"metric_type": "accuracy", "metric_name": "Accuracy"}
     if m := re.fullmatch(r"top_?(\d+)_?accuracy", key):
-        return f"top_{m[1]}_accuracy", f"Top-{m[1]} accuracy", None
+        return {"metric_type": f"top_{m[1]}_accuracy", "metric_name": f"Top-{m[1]} accuracy"}
     if m := re.fullmatch(r"(f1|precision|recall)(?:_(macro|micro|weighted))?", key):
         average = m[2] or "macro"
-        return m[1], f"{m[1].capitalize()} ({average})", {"average": average}
+        name = f"{m[1].capitalize()} ({average})"
+        return {"metric_type": m[1], "metric_name": name, "metric_args": {"average": average}}
     return None
 
 
 def _metric_label(key: str) -> str:
     spec = _metric_spec(key)
-    return spec[1] if spec else key.replace("_", " ").capitalize()
+    return spec["metric_name"] if spec else key.replace("_", " ").capitalize()
 
 
 _NOISE = re.compile(r"runtime|per_second|epoch|mem_|flos")
@@ -74,35 +78,20 @@ def _strip(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _cell(value: object) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
 def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows])
+    cells = [[str(c).replace("|", "\\|").replace("\n", " ") for c in row] for row in rows]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
 def _eval_results(info: CardInfo, metrics: dict[str, float], split: str) -> list[EvalResult]:
-    dataset_type = info.dataset_id if info.dataset_is_hub else Path(info.dataset_id).name or info.dataset_id
-    results = []
-    for key, value in metrics.items():
-        if spec := _metric_spec(key):
-            metric_type, metric_name, metric_args = spec
-            results.append(
-                EvalResult(
-                    task_type="image-classification",
-                    task_name="Image Classification",
-                    dataset_type=dataset_type,
-                    dataset_name=dataset_type,
-                    dataset_split=split,
-                    metric_type=metric_type,
-                    metric_name=metric_name,
-                    metric_value=value,
-                    metric_args=metric_args,
-                )
-            )
-    return results
+    dataset = info.dataset_id if info.dataset_is_hub else Path(info.dataset_id).name or info.dataset_id
+    task = {"task_type": "image-classification", "task_name": "Image Classification", "dataset_split": split}
+    return [
+        EvalResult(**task, dataset_type=dataset, dataset_name=dataset, metric_value=value, **spec)
+        for key, value in metrics.items()
+        if (spec := _metric_spec(key))
+    ]
 
 
 def _summary(info: CardInfo, validation: dict, test: dict) -> str:
@@ -116,10 +105,9 @@ def _summary(info: CardInfo, validation: dict, test: dict) -> str:
         data = f"the [{info.dataset_id}](https://huggingface.co/datasets/{info.dataset_id}) dataset"
     else:
         data = f"the local dataset `{info.dataset_id}`"
-    names = ", ".join(info.label_names[:10]) + (", ..." if len(info.label_names) > 10 else "")
-    text = (
-        f"This model is {origin}, trained on {data} to classify images into {len(info.label_names)} classes ({names})."
-    )
+    count = len(info.label_names)
+    names = ", ".join(info.label_names[:10]) + (", ..." if count > 10 else "")
+    text = f"This model is {origin}, trained on {data} to classify images into {count} classes ({names})."
     if "accuracy" in test:
         text += f" It reaches **{test['accuracy']:.2%}** top-1 accuracy on the test split."
     elif "accuracy" in validation:
@@ -132,16 +120,14 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
 
     keys = list(dict.fromkeys([*validation, *test]))
     keys.sort(key=lambda k: (_metric_spec(k) is None, k == "loss"))  # known metrics first, loss last
-
-    def cell(metrics: dict, key: str) -> str:
-        return f"{metrics[key]:.4f}" if key in metrics else "-"
-
-    rows = [(_metric_label(k), cell(validation, k), cell(test, k)) for k in keys]
+    rows = [(_metric_label(k), *(f"{m[k]:.4f}" if k in m else "-" for m in (validation, test))) for k in keys]
     results = "## Results\n\n" + _table(("Metric", "Validation", "Test"), rows)
     if not test:
         results += "\n\nThere is no test split: the model-index metadata reports the validation split."
     parts.append(results)
 
+    if info.data_notes:
+        parts.append("## Data\n\nWhat this run did to the dataset:\n\n" + "\n".join(f"- {n}" for n in info.data_notes))
     parts.append(f"## Reproduce\n\n```bash\n{info.command}\n```")
     if info.recipe or info.recipe_text:
         recipe = f"## Recipe\n\n`{info.recipe}`" if info.recipe else "## Recipe"
@@ -149,9 +135,7 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
             recipe += f"\n\n```yaml\n{info.recipe_text.rstrip()}\n```"
         parts.append(recipe)
     if info.hyperparameters:
-        parts.append(
-            "## Hyperparameters\n\n" + _table(("Hyperparameter", "Value"), list(info.hyperparameters.items()))
-        )
+        parts.append("## Hyperparameters\n\n" + _table(("Hyperparameter", "Value"), [*info.hyperparameters.items()]))
 
     setup = [f"- Strategy: {info.strategy}", f"- Hardware: {info.hardware}"]
     if info.throughput:
@@ -193,14 +177,13 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
 def build_model_card(info: CardInfo) -> ModelCard:
     """Model card with Hub metadata (incl. model-index) and a body that tells how to reproduce the run."""
     validation, test = _strip(info.validation_metrics), _strip(info.test_metrics)
-    split, reported = ("test", test) if test else ("validation", validation)
-    eval_results = _eval_results(info, reported, split)
+    eval_results = _eval_results(info, test, "test") if test else _eval_results(info, validation, "validation")
     if info.library_name == "peft" and not info.base_model:
         logger.warning("PEFT model card without a Hub base_model: the Hub will not link the adapter to its base")
     tags = list(dict.fromkeys(["image-classification", "vision", "vit", info.strategy, *info.extra_tags]))
     data = ModelCardData(
         library_name=info.library_name,
-        license=info.license,
+        license="apache-2.0",
         pipeline_tag="image-classification",
         base_model=info.base_model or None,
         datasets=[info.dataset_id] if info.dataset_is_hub else None,
@@ -217,26 +200,18 @@ def build_model_card(info: CardInfo) -> ModelCard:
 def write_model_card(info: CardInfo, output_dir: str) -> str:
     """Write output_dir/README.md and return its path."""
     path = Path(output_dir) / "README.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    build_model_card(info).save(path)
+    build_model_card(info).save(path)  # creates output_dir if need be
     return str(path)
 
 
 def hardware_description() -> str:
     """E.g. "2 x NVIDIA H200" (one GPU per process) or "CPU (16 cores)"."""
-    try:
-        processes = max(1, int(os.environ.get("WORLD_SIZE") or 1))
-    except ValueError:
-        processes = 1
-    try:
-        import torch
-
+    processes = max(1, env_int("WORLD_SIZE"))
+    with contextlib.suppress(Exception):  # a broken driver must not cost the model card
         if torch.cuda.is_available():
             return f"{processes} x {torch.cuda.get_device_name()}"
         if torch.backends.mps.is_available():
             return "Apple silicon GPU (MPS)"
-    except Exception:  # a broken driver must not cost the model card
-        pass
     extra = f", {processes} processes" if processes > 1 else ""
     return f"CPU ({os.cpu_count() or 1} cores{extra})"
 
@@ -247,6 +222,7 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
     is_hub = lambda name: bool(name) and not os.path.exists(os.path.expanduser(name))  # noqa: E731
     dataset_id, _ = resolve_source(args.data.dataset_name or "")
     training = args.training
+    augment = ("crop_scale_min", "hflip_prob", "auto_augment", "mixup_alpha", "cutmix_alpha", "patch_dropout")
     hyperparameters = {
         "learning_rate": training.learning_rate,
         "per_device_train_batch_size": training.per_device_train_batch_size,
@@ -260,15 +236,10 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "precision": plan.precision,
         "gradient_checkpointing": training.gradient_checkpointing,
         "label_smoothing": training.label_smoothing_factor,
-        "crop_scale_min": args.augment.crop_scale_min,
-        "hflip_prob": args.augment.hflip_prob,
-        "auto_augment": args.augment.auto_augment,
-        "mixup_alpha": args.augment.mixup_alpha,
-        "cutmix_alpha": args.augment.cutmix_alpha,
+        **{name: getattr(args.augment, name) for name in augment},
         "storage_size": "x".join(map(str, splits.storage_shape)),
         "seed": training.seed,
     }
-    recipe_text = Path(args.recipe).read_text() if args.recipe else None
     launcher = "python" if plan.strategy.world_size == 1 else f"torchrun --nproc_per_node {plan.strategy.world_size}"
     info = {
         "model_name": training.hub_model_id or os.path.basename(os.path.abspath(training.output_dir)),
@@ -282,12 +253,13 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "hyperparameters": {k: v for k, v in hyperparameters.items() if v is not None},
         "command": " ".join([launcher, "run_image_classification.py", *map(shlex.quote, argv)]),
         "recipe": args.recipe,
-        "recipe_text": recipe_text,
+        "recipe_text": Path(args.recipe).read_text() if args.recipe else None,
         "strategy": plan.strategy.name,
         "hardware": hardware_description(),
         "throughput": images_per_second,
         "per_class_markdown": reports.get("markdown"),
         "confusion_matrix_file": os.path.basename(reports["confusion_matrix"]) if reports else None,
+        "data_notes": list(splits.notes),
     }
     info.update(finetune.card_fields(info["hyperparameters"]))  # LoRA adapters: library peft, their settings
     return CardInfo(**info)

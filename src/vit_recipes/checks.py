@@ -1,11 +1,5 @@
-"""Checks that decide whether a run can go ahead, each failing with one `RecipeError` line. They change nothing.
-
-- `check_plan(plan, args)`, as the plan is built (before any data loads): strategy against arguments, device and
-  host memory; the strategy table's refusals; the checkpoint to resume against the strategy.
-- `check_model(strategy, model)`, once the model is built: FSDP2's wrap list must not hold the input embedding
-  (accelerate shards that on its own; torch fails obscurely otherwise), and ZeRO++'s quantized weights need shards
-  DeepSpeed can quantize (the classifier's size depends on the label count).
-"""
+"""Checks that decide whether a run can go ahead, each failing with one `RecipeError` line and changing nothing:
+`check_plan` as the plan is built (before any data loads), `check_model` once the model is built."""
 
 from __future__ import annotations
 
@@ -17,11 +11,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .data import resolve_source
 from .errors import RecipeError
+from .hub import check_push_ready, hub_error_message, offline_env
 from .launch import is_true, visible_gpus
-from .memory import host_memory_for, model_shape_from_args
+from .memory import host_memory_for, model_size_from_args
 
-AUTO = "auto"
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
 
 
@@ -88,7 +83,10 @@ def check_output_dir(training_args, model_args) -> None:
         raise RecipeError(
             f"output_dir {out} is not writable ({err.strerror or err}): choose another --output_dir"
         ) from None
-    weights = _local_weights_bytes(model_args.model_name_or_path)
+    # Only a local checkpoint's size is known (not a Hub id's, nor training from scratch's).
+    source = model_args.model_name_or_path
+    folder = Path(source).expanduser() if source else None
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder and folder.is_dir() else 0
     if not (training_args.do_train and weights):
         return
     # A checkpoint holds the weights and Adam's two moments (fp32 each); the final model the weights alone.
@@ -101,14 +99,6 @@ def check_output_dir(training_args, model_args) -> None:
             f"output_dir {out} has {free / 2**30:.1f} GiB free and {what} of this model needs about "
             f"{needed / 2**30:.1f} GiB: free space or choose another --output_dir"
         )
-
-
-def _local_weights_bytes(source: str | None) -> int:
-    """Size of a local checkpoint's weight files (0 when not local: a Hub id, or training from scratch)."""
-    folder = Path(os.path.expanduser(source)) if source else None
-    if folder is None or not folder.is_dir():
-        return 0
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
 def gpu_bf16_ok() -> bool:
@@ -134,15 +124,12 @@ def _check_table_refusals(plan, args) -> None:
 def deepspeed_conflicts(config: dict, training_args, global_batch: int, world_size: int) -> list[str]:
     """Fixed (non-"auto") DeepSpeed values that disagree with the arguments, as 'key=value vs --flag value'."""
     t = training_args
+    per_device, accumulation = t.per_device_train_batch_size, t.gradient_accumulation_steps
+    batch = f"the global batch (per-device {per_device} x accumulation {accumulation} x {world_size} processes) ="
     checks = [
-        ("train_micro_batch_size_per_gpu", t.per_device_train_batch_size, "--per_device_train_batch_size"),
-        ("gradient_accumulation_steps", t.gradient_accumulation_steps, "--gradient_accumulation_steps"),
-        (
-            "train_batch_size",
-            global_batch,
-            f"the global batch (per-device {t.per_device_train_batch_size} x accumulation "
-            f"{t.gradient_accumulation_steps} x {world_size} processes) =",
-        ),
+        ("train_micro_batch_size_per_gpu", per_device, "--per_device_train_batch_size"),
+        ("gradient_accumulation_steps", accumulation, "--gradient_accumulation_steps"),
+        ("train_batch_size", global_batch, batch),
         ("gradient_clipping", t.max_grad_norm, "--max_grad_norm"),
         ("optimizer.params.lr", t.learning_rate, "--learning_rate"),
         ("optimizer.params.betas", [t.adam_beta1, t.adam_beta2], "--adam_beta1/--adam_beta2"),
@@ -155,9 +142,7 @@ def deepspeed_conflicts(config: dict, training_args, global_batch: int, world_si
     out = []
     for key, value, flag in checks:
         fixed = config_value(config, key)
-        if fixed is None or fixed == AUTO:
-            continue
-        if not _same(fixed, value):
+        if fixed is not None and fixed != "auto" and not _same(fixed, value):
             shown = str(value).lower() if isinstance(value, bool) else value
             out.append(f"{key}={json.dumps(fixed)} vs {flag} {shown}")
     return out
@@ -213,15 +198,16 @@ def check_host_memory(strategy, model_args) -> None:
     """Offloading keeps optimizer states (and maybe parameters) in host RAM: refuse when it cannot fit."""
     import psutil
 
-    shape = model_shape_from_args(model_args)
-    if shape is None:  # no config to read yet (e.g. an uncached Hub id): build_model reports that
+    size = model_size_from_args(model_args)
+    if size is None:  # no config to read yet (e.g. an uncached Hub id): build_model reports that
         return
-    needed = host_memory_for(strategy, shape)
+    params, largest = size
+    needed = host_memory_for(strategy, params, largest)
     available = psutil.virtual_memory().available
     if needed > available:
         raise RecipeError(
-            f"{strategy.spec.label} offload needs about {needed / 2**30:.1f} GiB of host memory on this node for "
-            f"{shape.params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a "
+            f"{strategy.spec.label} needs about {needed / 2**30:.1f} GiB of host memory on this node for "
+            f"{params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a "
             "configuration without offload, more nodes, or a machine with more memory "
             "(python tools/advise.py shows the options)"
         )
@@ -247,8 +233,6 @@ def check_fp8(on_cpu: bool) -> None:
                 f"{capability[0]}.{capability[1]}: drop --fp8"
             )
 
-
-# ------------------------------------------------------------------------------------------------- resume
 
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
@@ -289,55 +273,11 @@ def check_resume(strategy, checkpoint: str | None) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------------- the built model
-
-
 def check_model(strategy, model) -> None:
-    """The checks that need the built model: FSDP2's wrap list, ZeRO++'s quantized weights."""
+    """The checks that need the built model: FSDP2's wrap list, then ZeRO++'s quantized weights (qwZ), which assert at
+    the first forward that each gathered module's shard holds a multiple of 8 values (on 4 H200s a 100-label head
+    split into 19,225 per GPU); only the head's size depends on the dataset, and a leaf module is one unit."""
     check_fsdp_wrap(strategy, model)
-    check_quantized_weights(strategy, model)
-
-
-def check_fsdp_wrap(strategy, model) -> None:
-    """FSDP2: refuse a wrap list that contains the input embedding's parent (e.g. ViTEmbeddings).
-
-    accelerate shards `get_input_embeddings()` as a unit of its own after the wrap pass; if a wrapped class already
-    holds it, its parameters are DTensors by then and torch fails deep inside fully_shard with "Invariant encountered:
-    value was None" (seen with torch 2.11 and 2.13, accelerate 1.15, on ViT whose _no_split_modules names
-    ViTEmbeddings). accelerate_configs/fsdp*.yaml therefore name the ViT layer class alone.
-    """
-    if not strategy.fsdp:
-        return
-    named = strategy.fsdp_wrap is not None
-    names = list(strategy.fsdp_wrap) if named else list(getattr(model, "_no_split_modules", None) or [])
-    embed = getattr(model, "get_input_embeddings", lambda: None)()
-    if embed is None:
-        return
-    holders = {
-        type(module).__name__
-        for module in model.modules()
-        if module is not model and any(child is embed for child in module.modules())
-    }
-    clash = sorted(holders.intersection(names))
-    if clash:
-        keep = [n for n in names if n not in holders]
-        where = "the FSDP wrap list" if named else f"{type(model).__name__}._no_split_modules (accelerate's default)"
-        raise RecipeError(
-            f"FSDP2 cannot wrap {', '.join(clash)} from {where}: it holds the input embedding that accelerate "
-            f"shards on its own; wrap {','.join(keep) or 'the transformer layer class'} only "
-            f"(fsdp_transformer_layer_cls_to_wrap in the accelerate config, as in accelerate_configs/fsdp.yaml)"
-        )
-
-
-def check_quantized_weights(strategy, model) -> None:
-    """ZeRO++ quantized weights (qwZ): refuse a model whose parameter shards DeepSpeed cannot quantize.
-
-    qwZ quantizes, per gathered module, the concatenation of its parameters' shards in groups of 8 values and
-    asserts at the first forward that the count divides by 8 (seen on 4 H200s: the 100-label head's
-    768 x 100 + 100 values split into 19,225 per GPU). The backbone's sizes are multiples of 64; the head's
-    depend on the label count, so this is the check a user's dataset can trip. A ZeRO-3 leaf module is gathered
-    as one unit with its children.
-    """
     if not is_true(config_value(strategy.deepspeed_config, "zero_optimization.zero_quantized_weights")):
         return
     world = strategy.world_size
@@ -359,3 +299,61 @@ def check_quantized_weights(strategy, model) -> None:
                 f"process over {world}: set zero_quantized_weights to false (hierarchical partitioning and "
                 "quantized gradients still apply), or use a label count that divides evenly"
             )
+
+
+def check_fsdp_wrap(strategy, model) -> None:
+    """FSDP2: refuse a wrap list holding the input embedding's parent (e.g. ViTEmbeddings, in ViT's _no_split_modules):
+    accelerate shards the embedding on its own, and fully_shard fails with "Invariant encountered: value was None"."""
+    if not strategy.fsdp:
+        return
+    named = strategy.fsdp_wrap is not None
+    names = list(strategy.fsdp_wrap) if named else list(getattr(model, "_no_split_modules", None) or [])
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    if embed is None:
+        return
+    holders = {type(m).__name__ for m in model.modules() if m is not model and any(c is embed for c in m.modules())}
+    clash = sorted(holders.intersection(names))
+    if clash:
+        keep = [n for n in names if n not in holders]
+        where = "the FSDP wrap list" if named else f"{type(model).__name__}._no_split_modules (accelerate's default)"
+        raise RecipeError(
+            f"FSDP2 cannot wrap {', '.join(clash)} from {where}: it holds the input embedding that accelerate "
+            f"shards on its own; wrap {','.join(keep) or 'the transformer layer class'} only "
+            f"(fsdp_transformer_layer_cls_to_wrap in the accelerate config, as in accelerate_configs/fsdp.yaml)"
+        )
+
+
+def _hub_id(name: str | None) -> bool:
+    """A name the Hub must resolve: not a local path, nor one written as a path (data.load_any's rule)."""
+    return bool(name) and not Path(name).expanduser().exists() and not name.startswith((".", "/", "~"))
+
+
+def check_hub(args) -> None:
+    """Before any data or model: pushing is possible, and a model or dataset that must come from the Hub can (one
+    line now, instead of a failure after the data was loaded and decoded)."""
+    import huggingface_hub
+    from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
+
+    check_push_ready(args.training)
+    model, dataset = args.model, resolve_source(args.data.dataset_name)[0] if args.data.dataset_name else None
+    if _hub_id(model.model_name_or_path) and model.model_name_or_path.count("/") <= 1:
+        try:  # the cached copy when there is one; offline without one, or unreachable, raises
+            huggingface_hub.hf_hub_download(
+                model.model_name_or_path, "config.json", revision=model.model_revision, cache_dir=model.cache_dir
+            )
+        except RemoteEntryNotFoundError:  # a repo without config.json (a LoRA adapter): modeling.py handles it
+            pass
+        except Exception as err:
+            if offline_env():
+                raise RecipeError(
+                    f"model '{model.model_name_or_path}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: "
+                    "pass a local checkpoint folder (--model_name_or_path ./checkpoint) or unset HF_HUB_OFFLINE"
+                ) from None
+            raise RecipeError(hub_error_message(err, f"download the model '{model.model_name_or_path}'")) from None
+    if _hub_id(dataset) and dataset.count("/") <= 1 and not offline_env():  # offline, datasets reads its cache
+        try:
+            huggingface_hub.HfApi().dataset_info(dataset, timeout=20)
+        except RepositoryNotFoundError:  # data.load_any names it with the offline hint
+            pass
+        except Exception as err:
+            raise RecipeError(hub_error_message(err, f"download the dataset '{dataset}'")) from None

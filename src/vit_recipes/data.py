@@ -1,14 +1,9 @@
-"""From a dataset name to train/validation/test splits of uint8 image tensors with integer labels.
+"""From a dataset name to train/validation/test splits of uint8 image arrays with integer labels.
 
-Two steps, because the storage size depends on the model's resolution:
-1. `load_splits`: load the dataset (preset, Hub id or local path), find the image and label columns, map labels to
-   ids, pick or carve the splits.
-2. `decode_splits`: decode every image once into a fixed-size uint8 CHW array, cached on disk by `datasets`, so
-   training epochs only slice arrays. Resizing to the model, augmentation and normalisation then run batched on
-   the training device (see transforms.py).
-
-Corrupt images are skipped and counted, never fatal hours into a run: their split and row indices are logged and
-written to `skipped_images.json` in the output directory. A split left empty is an error.
+`load_splits` loads a preset, Hub id or local path, finds the image and label columns, maps labels to ids and picks
+or carves the splits. `decode_splits` decodes every image once into a fixed-size uint8 CHW array (cached on disk by
+`datasets`), so epochs only slice arrays; resizing, augmentation and normalisation run on the device (transforms.py).
+Corrupt images are skipped, never fatal hours into a run: logged and listed in `skipped_images.json`.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ import json
 import logging
 import os
 import re
+from collections import Counter, namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,18 +24,11 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Value
 
 from .errors import RecipeError
-from .images import IMAGE_EXTENSIONS, decode_to_chw, image_size_of
+from .images import IMAGE_EXTENSIONS, decode_to_chw, probe, white_level
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class DatasetPreset:
-    hub_id: str
-    image_column: str
-    label_column: str
-
-
+DatasetPreset = namedtuple("DatasetPreset", ["hub_id", "image_column", "label_column"])
 PRESETS = {
     "cifar100": DatasetPreset("uoft-cs/cifar100", "img", "fine_label"),
     "food101": DatasetPreset("ethz/food101", "image", "label"),
@@ -49,6 +38,7 @@ IMAGE_COLUMNS = ("image", "img", "images", "picture", "photo", "file", "path")
 LABEL_COLUMNS = ("label", "labels", "fine_label", "class", "category", "target", "y")
 VALIDATION_SPLITS = ("validation", "valid", "val", "dev")
 PIXELS, LABELS = "pixels", "labels"  # the two columns the DataLoader reads
+LABEL_TYPES = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string, pa.types.is_boolean)
 HUB_HINT = "if you are offline, pass a local path (imagefolder, parquet/arrow or save_to_disk) or try `make demo`"
 
 
@@ -63,17 +53,12 @@ class ImageSplits:
     label_names: list[str]
     label_source: str  # "ClassLabel" or "sorted values": how names were found
     storage_shape: tuple[int, int] | None = None  # (height, width) once decoded
-    skipped: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def id2label(self) -> dict[int, str]:
-        return dict(enumerate(self.label_names))
+    white: float = 255.0  # the pixel value high-bit-depth images scale to 255 (images.white_level)
+    skipped: dict[str, list[dict]] = field(default_factory=dict)  # split -> [{row, image, problem}]
+    notes: list[str] = field(default_factory=list)  # every change made to the user's data, for the log and the card
 
     def present(self) -> dict[str, Dataset]:
         return {n: d for n, d in (("train", self.train), ("validation", self.validation), ("test", self.test)) if d}
-
-
-# --------------------------------------------------------------------------------------------------- loading
 
 
 def resolve_source(name: str) -> tuple[str, DatasetPreset | None]:
@@ -113,10 +98,9 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
 
 
 def find_column(features: datasets.Features, requested: str | None, preset: str | None, kind: str) -> str:
-    columns = list(features)
     if requested:
         if requested not in features:
-            raise RecipeError(f"{kind} column '{requested}' not found; columns are: {', '.join(columns)}")
+            raise RecipeError(f"{kind} column '{requested}' not found; columns are: {', '.join(features)}")
         return requested
     if preset and preset in features:
         return preset
@@ -127,26 +111,17 @@ def find_column(features: datasets.Features, requested: str | None, preset: str 
     for name in IMAGE_COLUMNS if kind == "image" else LABEL_COLUMNS:
         if name in features:
             return name
-    raise RecipeError(f"no {kind} column found; columns are: {', '.join(columns)}; pass --{kind}_column_name")
-
-
-def _label_values(dataset_dict: DatasetDict, column: str) -> dict[str, pa.ChunkedArray]:
-    return {split: d.data.column(column) for split, d in dataset_dict.items()}
+    raise RecipeError(f"no {kind} column found; columns are: {', '.join(features)}; pass --{kind}_column_name")
 
 
 def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, list[str], str]:
-    """Map the label column to integer ids in a ClassLabel column named `labels`.
-
-    ClassLabel names are kept as they are; other integer or string labels are sorted and numbered, so the mapping is
-    the same on every run and machine.
-    """
+    """Map the label column to integer ids in a ClassLabel column named `labels`: ClassLabel names as they are, other
+    integer or string labels sorted and numbered, so the mapping is the same on every run and machine."""
     feature = next(iter(dataset_dict.values())).features[column]
-    values = _label_values(dataset_dict, column)
+    values = {split: d.data.column(column) for split, d in dataset_dict.items()}
     if isinstance(feature, ClassLabel):
         names = list(feature.names)
-        for split, array in values.items():
-            if len(array) == 0:
-                continue
+        for split, array in values.items():  # load_splits has rejected empty splits
             low, high = pc.min(array).as_py(), pc.max(array).as_py()
             if low is None or low < 0 or high >= len(names):
                 bad = low if low is None or low < 0 else high
@@ -164,21 +139,13 @@ def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, 
         label_type = next(iter(kinds.values()))
         if pa.types.is_floating(label_type):
             for split, array in values.items():  # pandas writes a missing label as NaN, which turns the column float
-                missing = np.flatnonzero(
-                    pc.is_nan(array).to_numpy(zero_copy_only=False) | array.is_null().to_numpy(zero_copy_only=False)
-                )
+                missing = np.flatnonzero(pc.fill_null(pc.is_nan(array), True).to_numpy(zero_copy_only=False))
                 if len(missing):
-                    rows = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
                     raise RecipeError(
-                        f"split '{split}' has {len(missing)} NaN label(s) in '{column}' (rows {rows}): drop or label "
-                        "those rows"
+                        f"split '{split}' has {len(missing)} NaN or missing label(s) in '{column}' (rows {_rows(missing)}): "
+                        "drop or label those rows"
                     )
-        if not (
-            pa.types.is_integer(label_type)
-            or pa.types.is_string(label_type)
-            or pa.types.is_large_string(label_type)
-            or pa.types.is_boolean(label_type)
-        ):
+        if not any(is_type(label_type) for is_type in LABEL_TYPES):
             raise RecipeError(f"label column '{column}' has type {label_type}; labels must be integers or strings")
         uniques = set()
         for split, array in values.items():
@@ -189,19 +156,14 @@ def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, 
         names = [str(v) for v in ordered]
         lookup = {v: i for i, v in enumerate(ordered)}
         encoded = dataset_dict.map(
-            lambda batch: {column: [lookup[v] for v in batch[column]]},
-            batched=True,
-            input_columns=None,
-            desc="Mapping labels to ids",
+            lambda batch: {column: [lookup[v] for v in batch[column]]}, batched=True, desc="Mapping labels to ids"
         ).cast_column(column, ClassLabel(names=names))
         source = "sorted values"
     if len(names) < 2:
         raise RecipeError(f"label column '{column}' has {len(names)} class(es); classification needs at least 2")
     if column != LABELS:
-        encoded = encoded.remove_columns(
-            [c for c in (LABELS,) if c in encoded["train" if "train" in encoded else next(iter(encoded))].features]
-        )
-        encoded = encoded.rename_column(column, LABELS)
+        clash = [LABELS] if LABELS in next(iter(encoded.values())).features else []
+        encoded = encoded.remove_columns(clash).rename_column(column, LABELS)
     return encoded, names, source
 
 
@@ -218,11 +180,10 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     source, preset = resolve_source(data_args.dataset_name)
     dataset_dict = load_any(source, data_args.dataset_config_name, cache_dir)
     # Train is loaded for evaluation-only runs too: the same label mapping and the same carved validation split.
-    train_name = _split(dataset_dict, None, (data_args.train_split_name,), "train")
+    train_split = data_args.train_split_name
+    train_name = _split(dataset_dict, None, (train_split,), "train")
     if need_train and train_name is None:
-        raise RecipeError(
-            f"train split '{data_args.train_split_name}' does not exist; splits are: {', '.join(dataset_dict)}"
-        )
+        raise RecipeError(f"train split '{train_split}' does not exist; splits are: {', '.join(dataset_dict)}")
     val_name = _split(dataset_dict, data_args.validation_split_name, VALIDATION_SPLITS, "validation")
     test_name = _split(dataset_dict, data_args.test_split_name, ("test",), "test")
     used = [n for n in (train_name, val_name, test_name) if n]
@@ -242,6 +203,8 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     dataset_dict = DatasetDict(
         {n: d.remove_columns([c for c in d.column_names if c not in keep]) for n, d in dataset_dict.items()}
     )
+    if isinstance(features[image_column], Value) and Path(source).expanduser().exists():
+        dataset_dict = resolve_paths(dataset_dict, image_column, Path(source).expanduser())
     # Decode lazily and by hand, so a corrupt file is counted instead of raising inside datasets.
     if not isinstance(features[image_column], datasets.Image) or features[image_column].decode:
         try:
@@ -252,22 +215,44 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
             ) from None
     dataset_dict, names, source_kind = encode_labels(dataset_dict, label_column)
 
-    train = dataset_dict[train_name] if train_name else None
-    validation = dataset_dict[val_name] if val_name else None
-    test = dataset_dict[test_name] if test_name else None
+    train, validation, test = (dataset_dict[n] if n else None for n in (train_name, val_name, test_name))
+    notes: list[str] = []
     if train is not None and validation is None:
-        train, validation = carve_validation(train, data_args.validation_split_percentage, len(names), seed)
+        train, validation = carve_validation(train, data_args.validation_split_percentage, len(names), seed, notes)
     if not need_train:
         train = None
     if train is not None and data_args.max_train_samples:
-        train = sample(train, data_args.max_train_samples, seed, "train")
+        train = sample(train, data_args.max_train_samples, seed, "train", notes)
     if data_args.max_eval_samples:
-        validation = validation and sample(validation, data_args.max_eval_samples, seed, "validation")
-        test = test and sample(test, data_args.max_eval_samples, seed, "test")
-    return ImageSplits(train, validation, test, image_column, names, source_kind)
+        validation = validation and sample(validation, data_args.max_eval_samples, seed, "validation", notes)
+        test = test and sample(test, data_args.max_eval_samples, seed, "test", notes)
+    return ImageSplits(train, validation, test, image_column, names, source_kind, notes=notes)
 
 
-def sample(split: Dataset, cap: int, seed: int, name: str) -> Dataset:
+def labels_of_model(model_path: str | None, config) -> ImageSplits:
+    """Predict-only runs (no dataset): the labels a model was trained with, and how its images were stored, from
+    the labels.json this script writes next to a model (else the config's id2label; storage is then decided from
+    the images to predict)."""
+    record = Path(model_path or "").expanduser() / "labels.json"
+    if record.is_file():
+        saved = json.loads(record.read_text())
+        shape = tuple(saved["storage_shape"])
+        return ImageSplits(None, None, None, PIXELS, saved["names"], saved["source"], shape, saved.get("white", 255.0))
+    names = [str(config.id2label.get(i, i)) for i in range(config.num_labels)]
+    return ImageSplits(None, None, None, PIXELS, names, "the model's config")
+
+
+def resolve_paths(dataset_dict: DatasetDict, column: str, source: Path) -> DatasetDict:
+    """Image paths listed in a CSV/JSON file (or the files of a folder) are relative to that file's folder."""
+    base = source if source.is_dir() else source.parent
+
+    def absolute(batch):
+        return {column: [p if p is None or os.path.isabs(p) or "://" in p else str(base / p) for p in batch[column]]}
+
+    return dataset_dict.map(absolute, batched=True, desc=f"Resolving image paths against {base}")
+
+
+def sample(split: Dataset, cap: int, seed: int, name: str, notes: list[str]) -> Dataset:
     """At most `cap` rows, seeded and stratified by label (the first rows of a class-sorted split would score a few
     classes only), with one log line saying so."""
     if cap >= len(split):
@@ -278,11 +263,14 @@ def sample(split: Dataset, cap: int, seed: int, name: str) -> Dataset:
     except ValueError:  # a class with a single row, or fewer rows than classes: stratification is impossible
         kept = split.shuffle(seed=seed).select(range(cap))
         how = "not stratified: some class is too small"
+    notes.append(f"{name}: a sample of {cap} of its {len(split)} images (seed {seed}, {how})")
     logger.warning("Sampled %d of %d %s images (seed %d, %s)", cap, len(split), name, seed, how)
     return kept
 
 
-def carve_validation(train: Dataset, fraction: float, num_classes: int, seed: int) -> tuple[Dataset, Dataset]:
+def carve_validation(
+    train: Dataset, fraction: float, num_classes: int, seed: int, notes: list[str]
+) -> tuple[Dataset, Dataset]:
     """A seeded validation split from train, stratified so every class is represented in proportion."""
     size = max(round(fraction * len(train)), num_classes)  # stratifying needs at least one image per class
     if len(train) - size < num_classes:
@@ -292,10 +280,14 @@ def carve_validation(train: Dataset, fraction: float, num_classes: int, seed: in
         )
     try:
         carved = train.train_test_split(test_size=size, seed=seed, stratify_by_column=LABELS)
+        how = "stratified"
     except ValueError:  # some class has a single image: stratification is impossible
-        logger.warning("Some class has fewer than 2 training images: carving validation without stratification")
         carved = train.train_test_split(test_size=size, seed=seed)
-    logger.info("No validation split: carved %d images from train (seed %d, stratified)", size, seed)
+        how = "not stratified: some class has fewer than 2 images"
+    notes.append(f"validation: {size} of the {len(train)} train images, carved out of train (seed {seed}, {how})")
+    logger.warning(
+        "No validation split: carved %d of %d train images into one (seed %d, %s)", size, len(train), seed, how
+    )
     return carved["train"], carved["test"]
 
 
@@ -303,8 +295,7 @@ def load_image_folder(folder: str) -> Dataset:
     """Every image under a folder (or one image file), for --do_predict; keeps the relative file names."""
     root = Path(folder)
     if root.is_file():
-        files = [root]
-        root = root.parent
+        files, root = [root], root.parent
     elif root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
     else:
@@ -317,109 +308,129 @@ def load_image_folder(folder: str) -> Dataset:
     )
 
 
-# --------------------------------------------------------------------------------------------------- decoding
+@dataclass(frozen=True)
+class StorageFormat:
+    """How every image of a dataset is stored: one size, and one white level for high-bit-depth images."""
+
+    shape: tuple[int, int]  # (height, width)
+    white: float = 255.0
+    native: bool = False  # the images' own common size (others are resized to it and counted)
 
 
-def storage_shape_for(
-    dataset: Dataset, image_column: str, image_size: int, storage_size: int | None, sample: int = 64
-) -> tuple[int, int]:
-    """The (height, width) all images are stored at.
-
-    Small datasets of one native size (CIFAR's 32x32) stay native: upsampling happens on the device, where it is
-    cheap. Anything else is stored at a square of image_size/0.875 (256 for 224), room for random crops.
-    """
-    if storage_size:
-        return storage_size, storage_size
-    sizes = set()
-    for value in dataset.select(range(min(sample, len(dataset))))[image_column]:
+def storage_format(split: Dataset, image_column: str, image_size: int, storage_size: int | None) -> StorageFormat:
+    """From the first 64 images: the native size when most share one no larger than the model's (CIFAR's 32x32:
+    upsampling is cheap on the device), else a square of image_size/0.875 (256 for 224), room for random crops;
+    and the white level of the largest high-bit-depth value seen, the same for every image."""
+    sizes, peak = Counter(), None
+    for value in split.select(range(min(64, len(split))))[image_column]:
         try:
-            sizes.add(image_size_of(value))
+            size, high = probe(value)
         except Exception:  # a corrupt header: decode_split counts it
             continue
-    if len(sizes) == 1:
-        width, height = sizes.pop()
-        if max(width, height) <= image_size:
-            return height, width
+        sizes[size] += 1
+        if high is not None:
+            peak = max(peak or 0.0, high)
+    white = 255.0
+    if peak is not None:
+        white = white_level(peak)
+        logger.warning(
+            "High-bit-depth images (largest value %g in %d sampled): every image is scaled by 255/%g to 8 bits",
+            peak,
+            sum(sizes.values()),
+            white,
+        )
+    if storage_size:
+        return StorageFormat((storage_size, storage_size), white)
+    if sizes:
+        (width, height), count = sizes.most_common(1)[0]
+        if 2 * count > sum(sizes.values()) and max(width, height) <= image_size:
+            return StorageFormat((height, width), white, native=True)
     side = round(image_size / 0.875)
-    return side, side
+    return StorageFormat((side, side), white)
 
 
-def _decode_batch(batch, image_column: str, height: int, width: int):
-    pixels, ok = [], []
+def _decode_batch(batch, image_column: str, height: int, width: int, white: float):
+    pixels, problems = [], []
     for value in batch[image_column]:
         try:
-            pixels.append(decode_to_chw(value, height, width).tobytes())
-            ok.append(True)
-        except Exception:  # corrupt/truncated/unsupported: skip and count (see module docstring)
+            array, resized = decode_to_chw(value, height, width, white)
+            pixels.append(array.tobytes())
+            problems.append("resized" if resized else "")
+        except FileNotFoundError:
             pixels.append(b"")
-            ok.append(False)
-    return {PIXELS: pixels, "ok": ok}
+            problems.append("not found")
+        except Exception:  # corrupt/truncated/unsupported: skip and name it (see module docstring)
+            pixels.append(b"")
+            problems.append("unreadable")
+    return {PIXELS: pixels, "problem": problems}
 
 
 def decode_split(
-    dataset: Dataset, image_column: str, shape: tuple[int, int], num_proc: int | None, name: str
-) -> tuple[Dataset, list[int]]:
-    """Decode every image of a split once into uint8 CHW bytes (cached on disk by datasets' fingerprint)."""
-    height, width = shape
+    dataset: Dataset, image_column: str, storage: StorageFormat, num_proc: int | None, name: str, notes: list[str]
+) -> tuple[Dataset, list[dict]]:
+    """Decode every image of a split once into uint8 CHW bytes (cached on disk by datasets' fingerprint); return
+    the decoded split and the images skipped, each as {row, image (its path, if any), problem}."""
+    height, width = storage.shape
+    kept = {k: v for k, v in dataset.features.items() if k != image_column}
     decoded = dataset.map(
         _decode_batch,
         batched=True,
         batch_size=256,
-        fn_kwargs={"image_column": image_column, "height": height, "width": width},
+        fn_kwargs={"image_column": image_column, "height": height, "width": width, "white": storage.white},
         remove_columns=[image_column],
-        features=datasets.Features(
-            {
-                **{k: v for k, v in dataset.features.items() if k != image_column},
-                PIXELS: Value("binary"),
-                "ok": Value("bool"),
-            }
-        ),
+        features=datasets.Features({**kept, PIXELS: Value("binary"), "problem": Value("string")}),
         num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > 1000 else None,
         desc=f"Decoding {name} images to {height}x{width} uint8",
     )
-    ok = np.asarray(decoded.data.column("ok").to_numpy(zero_copy_only=False), dtype=bool)
-    bad = np.flatnonzero(~ok).tolist()
-    if bad:
+    problems = decoded.data.column("problem").to_pylist()
+    resized = problems.count("resized")
+    if resized and storage.native:
+        notes.append(f"{name}: {resized} image(s) not {width}x{height}, the common size, resized to it")
         logger.warning(
-            "Skipped %d corrupt image(s) in split '%s' (rows %s%s)",
-            len(bad),
-            name,
-            ", ".join(map(str, bad[:10])),
-            ", ..." if len(bad) > 10 else "",
+            "Resized %d %s image(s) of another size to %dx%d, the common size", resized, name, width, height
         )
-        decoded = decoded.select(np.flatnonzero(ok))
+    bad = [i for i, problem in enumerate(problems) if problem not in ("", "resized")]
+    skipped = []
+    if bad:
+        for row, value in zip(bad, dataset.select(bad)[image_column]):
+            path = value.get("path") if isinstance(value, dict) else None
+            skipped.append({"row": row, "image": path, "problem": problems[row]})
+        named = ", ".join(f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in skipped[:10])
+        more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+        notes.append(f"{name}: {len(skipped)} image(s) skipped (not found or unreadable)")
+        logger.warning("Skipped %d image(s) in split '%s': %s%s", len(skipped), name, named, more)
+        decoded = decoded.select([i for i, problem in enumerate(problems) if problem in ("", "resized")])
         if len(decoded) == 0:
-            raise RecipeError(f"every image in split '{name}' is corrupt or unreadable")
-    return decoded.remove_columns("ok"), bad
+            raise RecipeError(
+                f"every image in split '{name}' is missing, corrupt or unreadable, e.g. {named.split(', ')[0]}"
+            )
+    return decoded.remove_columns("problem"), skipped
+
+
+def _rows(indices) -> str:
+    """The first ten row indices, for a message."""
+    return ", ".join(map(str, indices[:10])) + (", ..." if len(indices) > 10 else "")
 
 
 def decode_splits(
     splits: ImageSplits, image_size: int, storage_size: int | None = None, num_proc: int | None = None
 ) -> ImageSplits:
     reference = splits.train or splits.validation or splits.test
-    shape = storage_shape_for(reference, splits.image_column, image_size, storage_size)
-    decoded, skipped = {}, {}
+    storage = storage_format(reference, splits.image_column, image_size, storage_size)
+    notes, decoded, skipped = list(splits.notes), {}, {}
     for name, split in splits.present().items():
-        decoded[name], bad = decode_split(split, splits.image_column, shape, num_proc, name)
-        if bad:
-            skipped[name] = bad
-    return ImageSplits(
-        decoded.get("train"),
-        decoded.get("validation"),
-        decoded.get("test"),
-        PIXELS,
-        splits.label_names,
-        splits.label_source,
-        shape,
-        skipped,
-    )
+        decoded[name], skipped_here = decode_split(split, splits.image_column, storage, num_proc, name, notes)
+        if skipped_here:
+            skipped[name] = skipped_here
+    train, validation, test = (decoded.get(name) for name in ("train", "validation", "test"))
+    names, source = splits.label_names, splits.label_source
+    return ImageSplits(train, validation, test, PIXELS, names, source, storage.shape, storage.white, skipped, notes)
 
 
 def write_skipped(splits: ImageSplits, output_dir: str) -> None:
     if splits.skipped:
         os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, "skipped_images.json"), "w") as f:
-            json.dump(splits.skipped, f, indent=2)
+        Path(output_dir, "skipped_images.json").write_text(json.dumps(splits.skipped, indent=2))
 
 
 class PixelCollator:
@@ -429,9 +440,8 @@ class PixelCollator:
         self.shape = shape
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        height, width = self.shape
         buffer = b"".join(row[PIXELS] for row in rows)
-        pixels = np.frombuffer(buffer, dtype=np.uint8).reshape(len(rows), 3, height, width)
+        pixels = np.frombuffer(buffer, dtype=np.uint8).reshape(len(rows), 3, *self.shape)
         batch = {"pixel_values": torch.from_numpy(pixels.copy())}
         if LABELS in rows[0]:
             batch["labels"] = torch.tensor([row[LABELS] for row in rows], dtype=torch.long)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
 import re
 
@@ -16,8 +16,6 @@ from huggingface_hub.errors import (
 
 from .errors import RecipeError
 
-logger = logging.getLogger(__name__)
-
 OFFLINE_HINT = (
     "to work offline pass local paths (--model_name_or_path ./checkpoint --dataset_name ./images) with "
     "HF_HUB_OFFLINE=1, or try `make demo`, which needs no network"
@@ -25,13 +23,10 @@ OFFLINE_HINT = (
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{20,}")
 
 
-def _is_true(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def offline_env() -> bool:
-    # huggingface_hub reads HF_HUB_OFFLINE once at import: also look at the environment now.
-    env = _is_true(os.environ.get("HF_HUB_OFFLINE")) or _is_true(os.environ.get("TRANSFORMERS_OFFLINE"))
+    # huggingface_hub reads HF_HUB_OFFLINE once at import: also look at the environment now (as launch.is_true).
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    env = any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on") for n in names)
     return env or bool(getattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False))
 
 
@@ -68,18 +63,14 @@ def _causes(err: BaseException):
 
 def _network_error_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [OfflineModeIsEnabled, LocalEntryNotFoundError, ConnectionError, TimeoutError]
-    try:  # huggingface_hub >= 1.0 talks through httpx
+    with contextlib.suppress(ImportError):  # huggingface_hub >= 1.0 talks through httpx
         import httpx
 
         types.append(httpx.TransportError)
-    except ImportError:
-        pass
-    try:  # older huggingface_hub (and some datasets paths) use requests
+    with contextlib.suppress(ImportError):  # older huggingface_hub (and some datasets paths) use requests
         import requests
 
         types += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
-    except ImportError:
-        pass
     return tuple(types)
 
 

@@ -1,8 +1,8 @@
 """Decoding one image into the uint8 CHW array the DataLoader delivers.
 
-Every PIL mode is handled the way transformers' `convert_to_rgb` does (alpha composited on white), so that the
-saved image processor sees the same pixels the script trained on; 16/32-bit greyscale is rescaled to 8 bits
-instead of being clipped.
+Every PIL mode is converted as transformers' `convert_to_rgb` does (alpha composited on white), so the saved image
+processor sees the pixels the script trained on. High-bit-depth greyscale (16-bit, 12-bit in a 16-bit file, 32-bit,
+float) is scaled to 8 bits by one white level for the whole dataset (data.py finds it), never per image.
 """
 
 from __future__ import annotations
@@ -15,35 +15,38 @@ from PIL import Image, ImageOps
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
-def open_image(value) -> Image.Image:
-    """Open a datasets Image value (dict with bytes/path), raw bytes, a path or a PIL image."""
-    if isinstance(value, Image.Image):
-        return value
+def _file(value):
+    """A datasets Image value (dict with bytes/path), raw bytes or a path, as something PIL can open."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        image = Image.open(io.BytesIO(value))
-    else:
-        image = Image.open(value)
-    image.load()  # decode now, so a truncated file fails here and not in a worker later
-    return image
+    return io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL mode to RGB, matching transformers.image_transforms.convert_to_rgb for the common modes."""
+HIGH_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+
+
+def white_level(peak: float) -> float:
+    """The white of the bit depth whose range holds `peak`: 1.0 for floats in 0..1, else 2**bits - 1 for the
+    smallest of 8, 10, 12, 14, 16 or 32 bits (so 12-bit data in a 16-bit file is scaled by its own range)."""
+    if peak <= 1.0:
+        return 1.0
+    return float(next((2**bits - 1 for bits in (8, 10, 12, 14, 16) if peak <= 2**bits - 1), 2**32 - 1))
+
+
+def to_rgb(image: Image.Image, white: float | None = None) -> Image.Image:
+    """Any PIL mode to RGB, matching transformers.image_transforms.convert_to_rgb for the common modes.
+
+    High-bit-depth greyscale is scaled by 255 / `white` (default: this image's own bit depth, `white_level`)."""
     image = ImageOps.exif_transpose(image)
     if image.mode == "RGB":
         return image
-    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+    if image.mode in HIGH_BIT_MODES:
         array = np.asarray(image, dtype=np.float64)
-        peak = array.max() if array.size else 0.0
-        if peak > 255:
-            array = array * (255.0 / (65535.0 if peak <= 65535 else peak))
-        return Image.fromarray(np.clip(array, 0, 255).astype(np.uint8), "L").convert("RGB")
+        white = white or white_level(array.max() if array.size else 0.0)
+        return Image.fromarray(np.clip(array * (255.0 / white), 0, 255).astype(np.uint8), "L").convert("RGB")
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image.convert("RGB")
 
 
@@ -59,15 +62,20 @@ def fit(image: Image.Image, height: int, width: int) -> Image.Image:
     return image.crop((left, top, left + width, top + height))
 
 
-def decode_to_chw(value, height: int, width: int) -> np.ndarray:
-    """Decode, convert to RGB and fit to the storage size: a (3, height, width) uint8 array."""
-    image = fit(to_rgb(open_image(value)), height, width)
-    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
+def decode_to_chw(value, height: int, width: int, white: float | None = None) -> tuple[np.ndarray, bool]:
+    """Decode a datasets Image value, bytes or path, convert to RGB and fit: a (3, height, width) uint8 array, and
+    whether the image had another size."""
+    image = Image.open(_file(value))
+    image.load()  # decode now, so a truncated file fails here and not in a worker later
+    image = to_rgb(image, white)
+    resized = image.size != (width, height)
+    array = np.asarray(fit(image, height, width), dtype=np.uint8)
+    return np.ascontiguousarray(array.transpose(2, 0, 1)), resized
 
 
-def image_size_of(value) -> tuple[int, int]:
-    """(width, height) from the header only, without decoding pixels."""
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    with Image.open(io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value) as image:
-        return image.size
+def probe(value) -> tuple[tuple[int, int], float | None]:
+    """(width, height) from the header, and the largest pixel value of a high-bit-depth image (None for 8 bits)."""
+    with Image.open(_file(value)) as image:
+        if image.mode not in HIGH_BIT_MODES:
+            return image.size, None
+        return image.size, float(np.asarray(image).max(initial=0))

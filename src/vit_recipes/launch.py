@@ -56,12 +56,8 @@ def check_processes(use_cpu: bool) -> None:
 
 
 def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:
-    """Delete DeepSpeed CPU all-reduce buffers that no process has mapped: what killed ranks left behind.
-
-    A rank that exits removes its own buffer (`remove_shm_buffer_at_exit`); one killed (kill -9, the OOM killer)
-    cannot. At the start of a run, before this run creates any, a buffer that no live process maps and that is older
-    than `min_age_s` (another job may be about to map a new one) is stale. Returns what was removed, and logs it.
-    """
+    """Delete (and return) the DeepSpeed CPU all-reduce buffers killed ranks left, before this run creates any: those
+    no live process maps, older than `min_age_s` (another job may be about to map a new one)."""
     buffers = glob.glob(f"{SHM_BUFFER_PREFIX}*")
     if not buffers:
         return []
@@ -84,14 +80,8 @@ def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:
 
 
 def remove_shm_buffer_at_exit() -> None:
-    """Have this rank delete DeepSpeed's CPU all-reduce buffer when the process exits (and, on each machine's first
-    rank, the buffers killed ranks left).
-
-    DeepSpeed's shared-memory all-reduce (the shm comm op `make install` builds for CPU runs) creates one 69 MB file
-    per rank, `/dev/shm/deepspeed_allreduce_buffer_<n>_<addr>_<port>_<rank>`, and never unlinks it: each CPU
-    DeepSpeed run left 138 MB behind until reboot. Unlinking at exit is safe: ranks that mapped the buffer keep
-    their mapping.
-    """
+    """Delete this rank's DeepSpeed CPU all-reduce buffer (69 MB in /dev/shm, which DeepSpeed never unlinks) at exit,
+    and on each machine's first rank the buffers killed ranks left. Ranks that mapped a buffer keep their mapping."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         remove_stale_shm_buffers()
     rank, port = os.environ.get("RANK"), os.environ.get("MASTER_PORT")
@@ -108,12 +98,8 @@ def remove_shm_buffer_at_exit() -> None:
 
 
 def bind_deepspeed_comm() -> None:
-    """Let DeepSpeed use the process group the arguments started (gloo with --use_cpu).
-
-    On GPUs accelerate starts DeepSpeed's communication itself. On CPU processes it starts plain torch.distributed,
-    and ZeRO-3's deepspeed.zero.Init (used while the model loads, before the Trainer initialises DeepSpeed) would
-    then count a world size of 1 and fail its batch-size check.
-    """
+    """Let DeepSpeed use the process group the arguments started (gloo with --use_cpu): otherwise ZeRO-3's zero.Init,
+    before the Trainer starts DeepSpeed, counts a world size of 1 on CPU processes and fails its batch-size check."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

@@ -1,9 +1,5 @@
 """LoRA on a transformers image classifier (peft): which layers to adapt, adapting them, and putting a saved adapter
-back on its base.
-
-Bad input fails in one line each: target modules that match nothing (the message lists the layers there are), a
-model without attention projections, an adapter put on another base.
-"""
+back on its base."""
 
 from __future__ import annotations
 
@@ -25,9 +21,7 @@ BASE_RECORD = "adapter_base.json"  # which base weights an adapter was trained o
 # Attention query/value projections by naming scheme, first match wins: transformers >= 5.2x ViT (and Llama-style
 # models), older ViT/DeiT/BEiT/Swin, timm-style fused qkv.
 DEFAULT_TARGETS = (("q_proj", "v_proj"), ("query", "value"), ("qkv",))
-ALL_LINEAR = "all-linear"
-# Layer types LoRA can adapt (peft's LoRA layers).
-ADAPTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+ADAPTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)  # layer types peft's LoRA can adapt
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -39,9 +33,7 @@ def head_module_names(model: nn.Module) -> list[str]:
     """Top-level children outside the backbone that hold parameters: the classification head(s)."""
     model = unwrap(model)
     backbone = getattr(model, "base_model_prefix", None)
-    heads = [
-        name for name, child in model.named_children() if name != backbone and any(True for _ in child.parameters())
-    ]
+    heads = [name for name, child in model.named_children() if name != backbone and list(child.parameters())]
     if not heads or not backbone or not hasattr(model, backbone):
         raise RecipeError(
             f"cannot tell the classifier head from the backbone in {type(model).__name__}; LoRA and "
@@ -52,17 +44,6 @@ def head_module_names(model: nn.Module) -> list[str]:
 
 def in_head(name: str, heads: list[str]) -> bool:
     return any(name == h or name.startswith(h + ".") for h in heads)
-
-
-def adaptable_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Backbone modules LoRA can adapt (linear, conv, embedding), by full name."""
-    model = unwrap(model)
-    heads = head_module_names(model)
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, ADAPTABLE) and not in_head(name, heads)
-    }
 
 
 def _leaf_names(names) -> list[str]:
@@ -76,25 +57,25 @@ def _matches(name: str, target: str) -> bool:
 def resolve_target_modules(model: nn.Module, requested: list[str] | None) -> list[str]:
     """The module names to adapt, checked against the model; RecipeError names the layers there are."""
     model = unwrap(model)
-    layers = adaptable_modules(model)
-    listing = ", ".join(_leaf_names(layers)) or "none"
+    heads = head_module_names(model)
+    everything = dict(model.named_modules())
+    layers = {name: m for name, m in everything.items() if isinstance(m, ADAPTABLE) and not in_head(name, heads)}
+    leaves = _leaf_names(layers)
+    listing = ", ".join(leaves) or "none"
     if not requested:
-        leaves = set(_leaf_names(layers))
         for names in DEFAULT_TARGETS:
-            if set(names) <= leaves:
+            if set(names) <= set(leaves):
                 return list(names)
         raise RecipeError(
             f"--use_peft: this {model.config.model_type} model has no attention query/value projections "
             f"({', '.join('/'.join(n) for n in DEFAULT_TARGETS)}) for the default LoRA targets; pass "
             f"--lora_target_modules with some of its layers: {listing}"
         )
-    if list(requested) == [ALL_LINEAR]:
+    if list(requested) == ["all-linear"]:
         linear = [name for name, module in layers.items() if isinstance(module, nn.Linear)]
         if not linear:
             raise RecipeError(f"--lora_target_modules all-linear: the backbone has no linear layers ({listing})")
         return _leaf_names(linear)
-    heads = head_module_names(model)
-    everything = dict(model.named_modules())
     for target in requested:
         if any(_matches(name, target) for name in layers):
             continue
@@ -119,11 +100,8 @@ def _gathered(params: list[nn.Parameter]):
 
 
 def base_signature(model: nn.Module, samples: int = 16) -> list[list[float]]:
-    """A few values of the frozen base weights (embeddings and final norm): tells whether two bases are the same.
-
-    Compared with a tolerance (`same_base`), not hashed: a base loaded in bf16 (ZeRO-3 loads it so) or fp32 must
-    match. Values only, names ignored: either ViT naming scheme gives the same signature.
-    """
+    """A few values of the frozen base weights (embeddings and final norm), to tell whether two bases are the same
+    (`same_base`, with a tolerance so that bf16, as ZeRO-3 loads it, and fp32 match; names are ignored)."""
     model = unwrap(model)
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
     params = [p for name, p in backbone.named_parameters() if "lora_" not in name]
@@ -143,11 +121,6 @@ def same_base(a: list[list[float]], b: list[list[float]]) -> bool:
     return len(a) == len(b) and all(
         len(x) == len(y) and all(abs(u - v) <= 1e-3 + 1e-2 * abs(v) for u, v in zip(x, y)) for x, y in zip(a, b)
     )
-
-
-def target_names(peft_config) -> str:
-    targets = peft_config.target_modules
-    return targets if isinstance(targets, str) else ", ".join(sorted(targets))
 
 
 def is_adapter_dir(path: str | os.PathLike | None) -> bool:
@@ -176,9 +149,8 @@ def apply_lora(model: nn.Module, lora_args: LoraArguments, training_args=None):
         modules_to_save=heads,
         bias="none",
     )
-    # peft keeps adapters in fp32 over a bf16/fp16 base (autocast_adapter_dtype). Under ZeRO-3 the base is already
-    # partitioned in DeepSpeed's dtype, and ZeRO-3 needs one dtype for all parameters: the adapters take the base's
-    # (the optimizer keeps fp32 master weights).
+    # peft keeps adapters in fp32 over a bf16/fp16 base; ZeRO-3 needs one dtype for all parameters (its optimizer
+    # keeps fp32 master weights), so under it the adapters take the base's.
     zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=not zero3)
@@ -207,10 +179,10 @@ def attach_adapter(base: nn.Module, path: str | os.PathLike, is_trainable: bool 
                 f"the adapter in {path} was trained on another base ({record.get('base_model_name_or_path')}); "
                 f"the weights of {base_source} differ: load it onto the base it was trained on"
             )
+    zero3 = any(hasattr(p, "ds_id") for p in base.parameters())  # adapters in the base's dtype (apply_lora)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            zero3 = any(hasattr(p, "ds_id") for p in base.parameters())  # adapters in the base's dtype (apply_lora)
             model = PeftModel.from_pretrained(
                 base, str(path), is_trainable=is_trainable, autocast_adapter_dtype=not zero3
             )

@@ -24,23 +24,17 @@ def load_metric() -> evaluate.EvaluationModule:
     return evaluate.load(METRIC_PATH, keep_in_memory=True)
 
 
-def make_compute_metrics(
-    metric: evaluate.EvaluationModule | None = None,
-) -> Callable[[EvalPrediction], dict[str, float]]:
-    """Build a `compute_metrics` for `Trainer`: logits and label ids in, a dict of float metrics out.
-
-    The metric module is loaded at the first evaluation, not when the Trainer is built.
-    """
-    loaded = [metric]
+def make_compute_metrics(metric: evaluate.EvaluationModule | None = None) -> Callable[[EvalPrediction], dict]:
+    """A `compute_metrics` for `Trainer`: logits and label ids in, float metrics out. Loads the metric module at the
+    first evaluation, not when the Trainer is built."""
 
     def compute_metrics(eval_pred: EvalPrediction) -> dict[str, float]:
-        if loaded[0] is None:
-            loaded[0] = load_metric()
+        nonlocal metric
+        if metric is None:
+            metric = load_metric()
         logits = eval_pred.predictions
-        # Models asked for hidden states or attentions return a tuple whose first item is the logits.
-        if isinstance(logits, (tuple, list)):
+        if isinstance(logits, (tuple, list)):  # asked for hidden states or attentions: the logits come first
             logits = logits[0]
-        labels = eval_pred.label_ids
-        return loaded[0].compute(predictions=np.asarray(logits), references=np.asarray(labels).reshape(-1))
+        return metric.compute(predictions=np.asarray(logits), references=np.asarray(eval_pred.label_ids).reshape(-1))
 
     return compute_metrics

@@ -1,26 +1,22 @@
-"""The model a run trains: a checkpoint to fine-tune or a config to train from scratch, fine-tuned in full, as
-LoRA adapters (`--use_peft`) or as the head alone (`--freeze_backbone`); and the image processor saved with it.
-
-A folder holding a saved adapter can be passed as `--model_name_or_path`: it is put back on its base (checked to
-be the base it was trained on) for evaluation or further training.
-"""
+"""The model a run trains (a checkpoint or config; in full, as LoRA adapters or the head alone; or a saved adapter
+put back on its base) and the image processor saved with it."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safetensors import SafetensorError
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoImageProcessor,
-    AutoModelForImageClassification,
-    PretrainedConfig,
-)
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification, PretrainedConfig
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
@@ -36,7 +32,6 @@ from .lora import (
     head_module_names,
     in_head,
     is_adapter_dir,
-    target_names,
     unwrap,
 )
 from .patch_embedding import use_patch_matmul
@@ -67,7 +62,7 @@ def _load_config(model_args) -> tuple[PretrainedConfig, bool]:
         return config, True
     name = model_args.config_name
     try:
-        config = AutoConfig.for_model(name) if name in _model_types() else AutoConfig.from_pretrained(name)
+        config = AutoConfig.for_model(name) if name in CONFIG_MAPPING_NAMES else AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:
         raise RecipeError(f"cannot load config '{name}': {str(err).splitlines()[0]}") from None
     if model_args.config_overrides:
@@ -78,12 +73,6 @@ def _load_config(model_args) -> tuple[PretrainedConfig, bool]:
     return config, False
 
 
-def _model_types() -> set[str]:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    return set(CONFIG_MAPPING_NAMES)
-
-
 def check_config(config: PretrainedConfig, source: str) -> int:
     """Reject configs that cannot classify images; return the input resolution."""
     if config.model_type not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
@@ -91,11 +80,8 @@ def check_config(config: PretrainedConfig, source: str) -> int:
             f"'{source}' is a {config.model_type} model, not an image-classification one; use a "
             "checkpoint such as google/vit-base-patch16-224-in21k"
         )
-    image_size, patch_size = getattr(config, "image_size", None), getattr(config, "patch_size", None)
-    if isinstance(image_size, (list, tuple)):
-        image_size = image_size[0]
-    if isinstance(patch_size, (list, tuple)):
-        patch_size = patch_size[0]
+    sizes = [getattr(config, key, None) for key in ("image_size", "patch_size")]
+    image_size, patch_size = (size[0] if isinstance(size, (list, tuple)) else size for size in sizes)
     if not isinstance(image_size, int) or image_size <= 0:
         raise RecipeError(f"'{source}' has no usable image_size in its config")
     if patch_size and image_size % patch_size:
@@ -107,45 +93,48 @@ def build_model(model_args, label_names: list[str]):
     """The classification model with a head for `label_names`, and its resolution."""
     config, pretrained = _load_config(model_args)
     source = model_args.model_name_or_path or model_args.config_name
-    id2label = dict(enumerate(label_names))
-    label2id = {name: i for i, name in id2label.items()}
+    id2label, count = dict(enumerate(label_names)), len(label_names)
     old_labels = getattr(config, "num_labels", None)
-    same_head = pretrained and old_labels == len(label_names) and getattr(config, "id2label", {}) == id2label
-    config.num_labels = len(label_names)
-    config.id2label, config.label2id = id2label, label2id
+    same_head = pretrained and old_labels == count and getattr(config, "id2label", {}) == id2label
+    config.num_labels = count
+    config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
     image_size = check_config(config, source)
     kwargs = {"config": config, "attn_implementation": model_args.attn_implementation}
     if pretrained:
         loader, name = AutoModelForImageClassification.from_pretrained, source
+        revision, cache_dir = model_args.model_revision, model_args.cache_dir
         if not same_head:
             logger.info(
-                "Replacing the classification head: %s has %s labels, this dataset %d",
-                source,
-                old_labels,
-                len(label_names),
+                "Replacing the classification head: %s has %s labels, this dataset %d", source, old_labels, count
             )
-            if zero3_enabled():  # ZeRO-3 loading ignores ignore_mismatched_sizes: leave the old head out instead
-                state_dict = zero3_state_dict_for_new_head(
-                    source, config, model_args.model_revision, model_args.cache_dir
-                )
+            if is_deepspeed_zero3_enabled():  # ZeRO-3 ignores ignore_mismatched_sizes: leave the old head out
+                state_dict = zero3_state_dict_for_new_head(source, config, revision, cache_dir)
                 if state_dict is not None:  # transformers takes a state_dict instead of a name, not with one
                     model_class = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
                     loader, name, kwargs["state_dict"] = model_class.from_pretrained, None, state_dict
-        model = _quietly(
-            loader,
-            name,
-            revision=model_args.model_revision,
-            cache_dir=model_args.cache_dir,
-            ignore_mismatched_sizes=not same_head,
-            **kwargs,
-        )
+        try:
+            model = _quietly(
+                loader, name, revision=revision, cache_dir=cache_dir, ignore_mismatched_sizes=not same_head, **kwargs
+            )
+        except pickle.UnpicklingError:  # torch's weights_only load refused code in the file: it never ran
+            weights = Path(source).expanduser() / "pytorch_model.bin"
+            fix = "use a checkpoint with model.safetensors"
+            if weights.is_file():
+                fix = (
+                    'if you trust its source, convert it to safetensors once: python -c "import torch; from '
+                    f"safetensors.torch import save_file; save_file(torch.load('{weights}', weights_only=False), "
+                    f"'{weights.with_name('model.safetensors')}')\""
+                )
+            raise RecipeError(
+                f"the pytorch_model.bin of '{source}' is a pickle holding more than weights, and pickles are only "
+                f"loaded as plain weights: {fix}"
+            ) from None
+        except (OSError, SafetensorError) as err:  # a truncated or corrupt weight file
+            raise RecipeError(f"cannot read the weights of '{source}': {str(err).splitlines()[0]}") from None
     else:
         model = AutoModelForImageClassification.from_config(**kwargs)
-        logger.info(
-            "Training from scratch: %s with %.1fM parameters",
-            config.model_type,
-            sum(p.numel() for p in model.parameters()) / 1e6,
-        )
+        millions = sum(p.numel() for p in model.parameters()) / 1e6
+        logger.info("Training from scratch: %s with %.1fM parameters", config.model_type, millions)
     use_patch_matmul(model, model_args.patch_embedding_matmul)
     return model, image_size
 
@@ -164,11 +153,8 @@ def _quietly(fn, *args, **kwargs):
 
 def parameter_counts(model: nn.Module) -> dict[str, float]:
     """Trainable and total parameters (ZeRO-3-sharded parameters count in full)."""
-    total = trainable = 0
-    for p in model.parameters():
-        n = getattr(p, "ds_numel", None) or p.numel()
-        total += n
-        trainable += n if p.requires_grad else 0
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
+    total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
     return {
         "train_trainable_params": trainable,
         "train_total_params": total,
@@ -197,26 +183,37 @@ class FinetuneSetup:
         if self.method == "lora":
             extra["merged"] = self.merge_adapter
         fields = {"hyperparameters": {**hyperparameters, **extra}}
-        if self.method == "lora":
-            fields["extra_tags"] = ["lora", "peft"] if not self.merge_adapter else ["lora"]
-            if not self.merge_adapter:
-                fields["library_name"] = "peft"
+        if self.method == "lora" and not self.merge_adapter:
+            fields.update(extra_tags=["lora", "peft"], library_name="peft")
+        elif self.method == "lora":
+            fields["extra_tags"] = ["lora"]
         return fields
 
 
-def _print_counts(method: str, counts: dict, detail: str, training_args) -> None:
-    line = (
-        f"{method}: trainable params {counts['train_trainable_params']:,} of {counts['train_total_params']:,} "
-        f"({counts['train_trainable_percent']:.2f}%){detail}"
-    )
+def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, training_args):
+    """Fill in the parameter counts and LoRA settings (for the card), and print the summary line."""
+    setup.metrics = counts = parameter_counts(model)
+    if setup.method == "lora":
+        config = model.peft_config["default"]
+        targets = config.target_modules
+        setup.lora = {
+            "lora_r": config.r,
+            "lora_alpha": config.lora_alpha,
+            "lora_dropout": config.lora_dropout,
+            "lora_target_modules": targets if isinstance(targets, str) else ", ".join(sorted(targets)),
+        }
     if getattr(training_args, "should_log", True):  # the main process; printed, as the script's summary is
-        print(line, flush=True)
+        print(
+            f"{what}: trainable params {counts['train_trainable_params']:,} of {counts['train_total_params']:,} "
+            f"({counts['train_trainable_percent']:.2f}%){detail}",
+            flush=True,
+        )
+    return model, image_size, setup
 
 
 def build_finetune_model(model_args, lora_args: LoraArguments, training_args, label_names: list[str]):
     """The model to train or evaluate, its input resolution, and a `FinetuneSetup`."""
-    source = model_args.model_name_or_path
-    if is_adapter_dir(source):
+    if is_adapter_dir(model_args.model_name_or_path):
         return _build_from_adapter(model_args, lora_args, training_args, label_names)
     method = lora_args.method
     model, image_size = build_model(model_args, label_names)
@@ -225,7 +222,6 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
         setup.signature = base_signature(model)
         setup.base_args = model_args
         model, detail = apply_lora(model, lora_args, training_args)
-        setup.lora = _lora_settings(model)
     elif method == "head":
         heads = head_module_names(model)
         for name, p in model.named_parameters():
@@ -233,22 +229,8 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
         detail = f": the head ({', '.join(heads)}) on a frozen backbone"
     else:
         detail = ""
-    setup.metrics = parameter_counts(model)
-    _print_counts(
-        {"full": "Full fine-tuning", "lora": "LoRA", "head": "Head only"}[method], setup.metrics, detail, training_args
-    )
-    return model, image_size, setup
-
-
-def _lora_settings(peft_model) -> dict:
-    """r, alpha, dropout and target modules of a PeftModel's adapter, for the card."""
-    config = peft_model.peft_config["default"]
-    return {
-        "lora_r": config.r,
-        "lora_alpha": config.lora_alpha,
-        "lora_dropout": config.lora_dropout,
-        "lora_target_modules": target_names(config),
-    }
+    what = {"full": "Full fine-tuning", "lora": "LoRA", "head": "Head only"}[method]
+    return _finish(model, image_size, setup, what, detail, training_args)
 
 
 def _build_from_adapter(model_args, lora_args, training_args, label_names):
@@ -261,15 +243,11 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
     model, image_size = build_model(base_args, label_names)
     trainable = bool(getattr(training_args, "do_train", False))
     model = attach_adapter(model, path, is_trainable=trainable, base_source=base_args.model_name_or_path)
-    counts, signature = parameter_counts(model), base_signature(model)
-    setup = FinetuneSetup("lora", lora_args.merge_adapter, base_args, list(label_names), counts, signature)
-    setup.lora = _lora_settings(model)
+    setup = FinetuneSetup("lora", lora_args.merge_adapter, base_args, list(label_names), {}, base_signature(model))
     if trainable and getattr(training_args, "gradient_checkpointing", False):
         unwrap(model).enable_input_require_grads()
-    _print_counts(
-        "LoRA adapter", setup.metrics, f" loaded from {path} onto {base_args.model_name_or_path}", training_args
-    )
-    return model, image_size, setup
+    detail = f" loaded from {path} onto {base_args.model_name_or_path}"
+    return _finish(model, image_size, setup, "LoRA adapter", detail, training_args)
 
 
 def _check_labels(path, label_names) -> None:
@@ -286,42 +264,23 @@ def _check_labels(path, label_names) -> None:
         )
 
 
-def zero3_enabled() -> bool:
-    try:
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    except ImportError:
-        return False
-    return bool(is_deepspeed_zero3_enabled())
-
-
 def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", cache_dir: str | None = None):
-    """The checkpoint's tensors minus those whose shape changes (the new classification head), or None.
-
-    Under ZeRO-3, `from_pretrained` loads through deepspeed.zero.Init and ignores `ignore_mismatched_sizes`: a
-    checkpoint whose head has another number of classes fails with a size mismatch. Passing the checkpoint without
-    those tensors as `state_dict` loads the rest and initialises the head like any missing weight. Like
-    transformers itself, only rank 0 reads values; the other ranks get meta tensors of the right shapes.
-    """
+    """The checkpoint's tensors minus those whose shape changes (the new head, then initialised like any missing
+    weight), or None. As in transformers, only rank 0 reads values; other ranks get meta tensors."""
     import torch
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
-    def resolve(name):
-        return cached_file(
-            source, name, revision=revision, cache_dir=cache_dir, _raise_exceptions_for_missing_entries=False
-        )
-
-    files = []
-    if single := resolve(SAFE_WEIGHTS_NAME):
-        files = [single]
-    elif index := resolve(SAFE_WEIGHTS_INDEX_NAME):
+    resolve = functools.partial(
+        cached_file, source, revision=revision, cache_dir=cache_dir, _raise_exceptions_for_missing_entries=False
+    )
+    files = [resolve(SAFE_WEIGHTS_NAME)]
+    if not files[0] and (index := resolve(SAFE_WEIGHTS_INDEX_NAME)):  # a sharded checkpoint
         shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
         files = [resolve(shard) for shard in shards]
-    if not files or not all(files):
-        return None  # .bin checkpoints: leave it to transformers
-    if type(config) not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
-        return None
+    if not files or not all(files) or type(config) not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
+        return None  # .bin checkpoints (or no classifier for this config): leave them to transformers
     model_class = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
     with init_empty_weights():
         expected = {k: tuple(v.shape) for k, v in model_class(config).state_dict().items()}
@@ -334,14 +293,10 @@ def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", c
                 shape = tuple(piece.get_shape())
                 if key in expected and expected[key] != shape:
                     dropped.append(key)
-                    continue
-                if rank0:
+                elif rank0:
                     state_dict[key] = f.get_tensor(key)
                 else:
-                    dtype = getattr(
-                        torch,
-                        {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(piece.get_dtype(), "float32"),
-                    )
+                    dtype = {"F16": torch.float16, "BF16": torch.bfloat16}.get(piece.get_dtype(), torch.float32)
                     state_dict[key] = torch.empty(shape, dtype=dtype, device="meta")
     if not dropped:
         return None
@@ -363,10 +318,7 @@ def mean_std(model_args) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 
 def evaluation_processor(image_size: int, eval_crop_pct: float, mean, std) -> BitImageProcessor:
-    """An image processor that reproduces the script's evaluation preprocessing for pipeline() users.
-
-    Evaluation resizes the shorter side to image_size / eval_crop_pct (bicubic) and centre-crops image_size.
-    """
+    """The script's evaluation preprocessing (bicubic resize to image_size / eval_crop_pct, centre crop) for pipeline()."""
     return BitImageProcessor(
         do_resize=True,
         size={"shortest_edge": round(image_size / eval_crop_pct)},

@@ -1,16 +1,164 @@
 """What a built Trainer reports while it trains: the speed meter in every tracker's logs, final metrics in
-TensorBoard, the profiler window (--profile_steps) and DeepSpeed's flops profile."""
+TensorBoard, the PyTorch profiler window (--profile_steps) and DeepSpeed's flops profile.
+
+The profiler records a window of optimizer steps and writes, per rank, `rank{r}.pt.trace.json.gz` (a Chrome trace:
+https://ui.perfetto.dev, HolisticTraceAnalysis, `python benchmarks/trace_analysis.py DIR`) and `rank{r}_ops.txt`
+(key_averages by self time). Labelled regions: `data`, `augment`, `forward`, `backward` (trainer.py) and
+`optimizer_step` (here); communication shows as the backend's own ops and kernels. Steps are the host thread's
+`ProfilerStep#N` spans; the trace's `vit_recipes_profile` metadata maps them to global steps (N + step_offset).
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 import time
 
+import torch
 from transformers import TrainerCallback
 
 from .arguments import ObservabilityArguments
 from .meter import SpeedMeter
-from .profiling import DeepSpeedFlopsProfileCallback, ProfilerCallback, deepspeed_flops_profiler_file
+
+logger = logging.getLogger(__name__)
+
+
+class ProfilerCallback(TrainerCallback):
+    """Profile optimizer steps `first`..`last` (1-based, inclusive) on every rank.
+
+    The profiler starts at the end of the step before the window, one warm-up step early when there is one (its
+    events are discarded: starting the profiler is slow), so each profiled step spans end-of-step to end-of-step and
+    includes its data loading. If training ends inside the window, what was recorded is written at train end.
+    """
+
+    def __init__(self, first: int, last: int, output_dir: str, options: dict, pause: list):
+        self.first, self.last = first, last
+        self.warmup = 1 if first > 1 else 0
+        self.start_after = first - 1 - self.warmup  # optimizer steps completed when the profiler starts
+        self.output_dir, self.options = output_dir, options
+        self.pause = pause  # the speed meter skips the profiled steps and the export
+        self.profiler = None
+        self.done = False
+        self.rank = 0
+        self._optimizer_region = None
+
+    def _start(self, args) -> None:
+        self.rank = args.process_index
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.last - self.first + 1),
+            on_trace_ready=self._export,
+            acc_events=True,  # one cycle only; silences the "clears events" warning
+            **self.options,
+        )
+        metadata = {"first_step": self.first, "last_step": self.last, "step_offset": self.first - self.warmup}
+        metadata.update(world_size=args.world_size, rank=args.process_index)
+        self.profiler.preset_metadata_json("vit_recipes_profile", json.dumps(metadata))
+        self.profiler.start()
+        logger.info("Profiling steps %d-%d into %s", self.first, self.last, self.output_dir)
+
+    def _export(self, profiler) -> None:
+        os.makedirs(self.output_dir, exist_ok=True)
+        path = os.path.join(self.output_dir, f"rank{self.rank}.pt.trace.json.gz")
+        profiler.export_chrome_trace(path)
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = profiler.key_averages().table(sort_by=sort, row_limit=60)
+        with open(os.path.join(self.output_dir, f"rank{self.rank}_ops.txt"), "w", encoding="utf-8") as f:
+            f.write(f"Operators of steps {self.first}-{self.last}, rank {self.rank}, sorted by {sort}\n{table}\n")
+        self.done = True
+        logger.info("Wrote profiler trace %s", path)
+
+    def _stop(self, cut_short: bool = False) -> None:
+        if cut_short:
+            logger.warning(
+                "Training ended inside profile_steps %d-%d: writing the steps recorded.", self.first, self.last
+            )
+        if self.profiler is not None:
+            self.profiler.stop()  # in a recording window this exports (on_trace_ready)
+            self.profiler = None
+        self.done = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.profiler is None and not self.done:
+            if state.global_step == self.start_after:
+                self._start(args)
+            elif state.global_step > self.start_after:
+                logger.warning(
+                    "profile_steps %d-%d: training starts at step %d, after the window; nothing is profiled.",
+                    self.first,
+                    self.last,
+                    state.global_step + 1,
+                )
+                self.done = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is not None:
+            if 0 < state.max_steps <= state.global_step and not self.done:
+                self._stop(cut_short=True)  # stop here, so no empty step is opened after the last one
+            else:
+                self.profiler.step()
+                if self.done:  # the last active step was exported
+                    self._stop()
+        elif not self.done and state.global_step == self.start_after:
+            self._start(args)
+        else:
+            return
+        for meter in self.pause:
+            meter.pause()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.profiler is not None:
+            self._optimizer_region = torch.profiler.record_function("optimizer_step")
+            self._optimizer_region.__enter__()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._optimizer_region is not None:
+            self._optimizer_region.__exit__(None, None, None)
+            self._optimizer_region = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.profiler is not None:  # e.g. stopped early by a callback
+            self._stop(cut_short=True)
+
+
+def flops_profiler_output(ds_config: dict | None) -> str | None:
+    """The output_file of an enabled DeepSpeed flops profiler (None when off, or when it prints to stdout only)."""
+    section = (ds_config or {}).get("flops_profiler") or {}
+    if not section.get("enabled"):
+        return None
+    if not section.get("output_file"):
+        logger.warning(
+            "DeepSpeed flops_profiler has no output_file: its profile goes to stdout only. Set "
+            '"output_file" in the ds config to keep it with the run.'
+        )
+    return section.get("output_file") or None
+
+
+def keep_flops_profile(source: str, output_dir: str) -> str | None:
+    """Copy DeepSpeed's flops profile into OUTPUT_DIR/profiler/ (it writes relative to the working directory)."""
+    if not os.path.isfile(source):
+        logger.warning("DeepSpeed flops profile %s was not written (is profile_step within the run?)", source)
+        return None
+    target = os.path.join(output_dir, "profiler", "deepspeed_flops_profile.txt")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.abspath(source) != os.path.abspath(target):
+        shutil.copyfile(source, target)
+    logger.info("Kept the DeepSpeed flops profile in %s", target)
+    return target
+
+
+class _KeepFlopsProfile(TrainerCallback):
+    def __init__(self, source: str):
+        self.source = source
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            keep_flops_profile(self.source, args.output_dir)
 
 
 class _PredictionsToTensorBoard(TrainerCallback):
@@ -40,17 +188,12 @@ def attach(trainer, observe: ObservabilityArguments, meter: SpeedMeter) -> None:
             trainer.add_callback(_PredictionsToTensorBoard(callback))
     if observe.profile_steps:
         start, end = observe.profile_window
-        trainer.add_callback(
-            ProfilerCallback(
-                start,
-                end,
-                observe.profile_dir or f"{trainer.args.output_dir}/profiler",
-                profile_memory=observe.profile_memory,
-                record_shapes=observe.profile_record_shapes,
-                with_stack=observe.profile_with_stack,
-                pause=[meter],
-            )
-        )
-    flops_file = deepspeed_flops_profiler_file(trainer)
-    if flops_file:
-        trainer.add_callback(DeepSpeedFlopsProfileCallback(flops_file))
+        options = {"profile_memory": observe.profile_memory, "record_shapes": observe.profile_record_shapes}
+        options["with_stack"] = observe.profile_with_stack
+        folder = observe.profile_dir or f"{trainer.args.output_dir}/profiler"
+        trainer.add_callback(ProfilerCallback(start, end, folder, options, pause=[meter]))
+    if trainer.is_deepspeed_enabled:
+        plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+        flops_file = flops_profiler_output(getattr(plugin, "deepspeed_config", None))
+        if flops_file:
+            trainer.add_callback(_KeepFlopsProfile(flops_file))

@@ -1,11 +1,5 @@
-"""The run plan: everything derived from the arguments and the launch, worked out once before any data is loaded.
-
-`build_plan(args)` reads the arguments and what the launcher put in the environment, decides the strategy (a row
-of strategies.py), precision, global batch, device and what to do with the output directory, and refuses (one
-`RecipeError` line, checks.py) anything that could only fail later. `configure(plan, args)` then makes the few
-changes the plan implies to settings other libraries read. Everything downstream reads the plan; nothing
-re-derives these facts.
-"""
+"""The run plan: strategy, precision, global batch, device and output directory, derived once before any data is
+loaded (`build_plan`) and applied to other libraries' settings (`configure`). Nothing downstream re-derives them."""
 
 from __future__ import annotations
 
@@ -24,7 +18,6 @@ from .errors import RecipeError
 from .launch import bind_deepspeed_comm, env_int, is_true
 from .lora import is_adapter_dir
 from .run_dir import OutputState, remove_checkpoints, resolve_output_dir
-from .strategies import StrategySpec
 
 logger = logging.getLogger(__name__)
 
@@ -51,28 +44,17 @@ def load_deepspeed_config(value) -> tuple[dict, str]:
 class Strategy:
     """How the run is spread over processes: its row in the strategy table and the settings behind it."""
 
-    spec: StrategySpec
-    """The table row (name, configs, what is sharded, what is supported)."""
-    world_size: int
-    """Processes in the run, over all machines."""
+    spec: strategies.StrategySpec  # the table row (name, configs, what is sharded, what is supported)
+    world_size: int  # processes in the run, over all machines
     processes_per_node: int
-    """Processes on this machine."""
-    deepspeed_config: dict | None
-    """The DeepSpeed config as written (its "auto" values included), parsed once; None without DeepSpeed."""
-    deepspeed_source: str | None
-    """Where that config came from, for messages: a file name, or "the accelerate config"."""
-    from_accelerate: bool
-    """DeepSpeed/FSDP was configured by `accelerate launch` (environment) rather than by the arguments."""
-    fsdp: bool
-    """FSDP is configured (by the arguments or by accelerate)."""
-    fsdp_activation_checkpointing: bool
-    """FSDP checkpoints the activations of each wrapped layer (asked for, or --gradient_checkpointing under FSDP)."""
-    fsdp_wrap: tuple[str, ...] | None
-    """Layer classes named for FSDP to wrap (None: accelerate's default, the model's _no_split_modules)."""
-    offload_optimizer: bool
-    """Optimizer states live in host memory."""
-    offload_params: bool
-    """Parameters live in host memory."""
+    deepspeed_config: dict | None  # as written ("auto" values included), parsed once; None without DeepSpeed
+    deepspeed_source: str | None  # where that config came from, for messages: a file or "the accelerate config"
+    from_accelerate: bool  # DeepSpeed/FSDP configured by `accelerate launch` (environment), not by the arguments
+    fsdp: bool  # configured by the arguments or by accelerate
+    fsdp_activation_checkpointing: bool  # asked for, or --gradient_checkpointing under FSDP
+    fsdp_wrap: tuple[str, ...] | None  # layer classes to wrap (None: accelerate's default, _no_split_modules)
+    offload_optimizer: bool  # optimizer states live in host memory
+    offload_params: bool  # parameters live in host memory
 
     @property
     def name(self) -> str:
@@ -118,15 +100,13 @@ def read_strategy(training_args) -> Strategy:
     fsdp_env = is_true(env.get("ACCELERATE_USE_FSDP"))
     from_accelerate = from_accelerate or (fsdp_env and not fsdp_args)
     fsdp = fsdp_args or fsdp_env
+    offload_optimizer = offload_params = fsdp and (
+        is_true(fsdp_config.get("cpu_offload", False)) or (fsdp_env and is_true(env.get("FSDP_OFFLOAD_PARAMS")))
+    )
     if deepspeed is not None:
-
-        def off(key):
-            return str(config_value(deepspeed, f"zero_optimization.{key}.device") or "none").lower() in ("cpu", "nvme")
-
-        offload_optimizer, offload_params = off("offload_optimizer"), off("offload_param")
-    else:
-        offload_optimizer = offload_params = fsdp and (
-            is_true(fsdp_config.get("cpu_offload", False)) or (fsdp_env and is_true(env.get("FSDP_OFFLOAD_PARAMS")))
+        offload_optimizer, offload_params = (
+            str(config_value(deepspeed, f"zero_optimization.{key}.device") or "none").lower() in ("cpu", "nvme")
+            for key in ("offload_optimizer", "offload_param")
         )
     wrap = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") if fsdp_env else None
     wrap = wrap or fsdp_config.get("transformer_layer_cls_to_wrap")
@@ -136,16 +116,11 @@ def read_strategy(training_args) -> Strategy:
         stage = int(config_value(deepspeed, "zero_optimization.stage"))
     except (TypeError, ValueError):
         stage = None if deepspeed is None else 0
-    zeropp = (
-        any(
-            is_true(config_value(deepspeed, f"zero_optimization.{key}"))
-            for key in ("zero_quantized_weights", "zero_quantized_gradients")
-        )
-        or (config_value(deepspeed, "zero_optimization.zero_hpz_partition_size") or 1) > 1
-    )
-    spec = strategies.identify(stage, fsdp, offload_optimizer, zeropp, world)
+    quantized = ("zero_quantized_weights", "zero_quantized_gradients")
+    hpz = config_value(deepspeed, "zero_optimization.zero_hpz_partition_size") or 1
+    zeropp = any(is_true(config_value(deepspeed, f"zero_optimization.{key}")) for key in quantized) or hpz > 1
     return Strategy(
-        spec=spec,
+        spec=strategies.identify(stage, fsdp, offload_optimizer, zeropp, world),
         world_size=world,
         processes_per_node=env_int("LOCAL_WORLD_SIZE", default=world),
         deepspeed_config=deepspeed,
@@ -194,18 +169,11 @@ class RunPlan:
     """What a run is, derived once from its arguments and launch environment."""
 
     strategy: Strategy
-    """Strategy, world size, ZeRO stage, what is sharded and offloaded."""
-    precision: str
-    """"bf16", "fp16" or "fp32"."""
-    device: str
-    """"cuda", "mps", "xpu" or "cpu"."""
-    global_batch: int
-    """Images per optimizer step over all processes: per-device batch x accumulation x world size."""
-    output: OutputState
-    """What the output directory holds: a fresh start, a run to resume (and from which checkpoint), an overwrite,
-    or something to refuse (checks.py raises it)."""
-    identity: dict[str, Any]
-    """The settings that make this run this run (run_config.json): another run's output_dir is refused."""
+    precision: str  # "bf16", "fp16" or "fp32"
+    device: str  # "cuda", "mps", "xpu" or "cpu"
+    global_batch: int  # images per optimizer step: per-device batch x accumulation x world size
+    output: OutputState  # a fresh start, a run to resume (from which checkpoint), an overwrite, or a refusal
+    identity: dict[str, Any]  # the settings that make this run this run (run_config.json)
 
     @property
     def resume_from(self) -> str | None:
@@ -225,25 +193,13 @@ def build_plan(args: RunArguments) -> RunPlan:
         "global_batch": global_batch,
         "recipe": args.recipe,
     }
-    plan = RunPlan(
-        strategy=strategy,
-        precision=precision_of(t),
-        device=device_kind(t),
-        global_batch=global_batch,
-        output=resolve_output_dir(t, identity),
-        identity=identity,
-    )
+    plan = RunPlan(strategy, precision_of(t), device_kind(t), global_batch, resolve_output_dir(t, identity), identity)
     check_plan(plan, args)
+    spec = strategy.spec
+    resumed = f" from {plan.resume_from}" if plan.resume_from else ""
     logger.info(
-        "Plan: %s on %d process(es) (sharded: %s), %s on %s, global batch %d, output dir %s%s",
-        strategy.spec.label,
-        strategy.world_size,
-        strategy.spec.shards,
-        plan.precision,
-        plan.device,
-        plan.global_batch,
-        plan.output.state,
-        f" from {plan.resume_from}" if plan.resume_from else "",
+        f"Plan: {spec.label} on {strategy.world_size} process(es) (sharded: {spec.shards}), {plan.precision} on "
+        f"{plan.device}, global batch {global_batch}, output dir {plan.output.state}{resumed}"
     )
     return plan
 
@@ -259,9 +215,8 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
         # checkpointing (the Trainer only infers False for plain transformers models).
         t.ddp_find_unused_parameters = False
     if strategy.fsdp and t.gradient_checkpointing:
-        # The Trainer refuses its own checkpointing together with FSDP's, and FSDP's composes with resharding: a
-        # recipe asking for checkpointing gets FSDP's, per wrapped layer. The FSDP plugin is built later, by the
-        # Trainer, from the environment (accelerate launch) or from `fsdp_plugin_args` (--fsdp).
+        # The Trainer refuses its own checkpointing with FSDP's, which composes with resharding: use FSDP's. The
+        # plugin is built later, by the Trainer, from the environment (accelerate launch) or `fsdp_plugin_args`.
         if strategy.from_accelerate:
             os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
         elif isinstance(getattr(t, "fsdp_plugin_args", None), dict):

@@ -26,38 +26,24 @@ def per_class_accuracy(labels: np.ndarray, predictions: np.ndarray, label_names:
     matrix = confusion_matrix(labels, predictions, len(label_names))
     support, correct = matrix.sum(1), np.diag(matrix)
     return [
-        {
-            "class_id": i,
-            "label": name,
-            "support": int(support[i]),
-            "correct": int(correct[i]),
-            "accuracy": float(correct[i] / support[i]) if support[i] else None,
-        }
-        for i, name in enumerate(label_names)
+        {"class_id": i, "label": name, "support": int(s), "correct": int(c), "accuracy": float(c / s) if s else None}
+        for i, (name, s, c) in enumerate(zip(label_names, support, correct))
     ]
 
 
-def _figure_layout(num_classes: int, num_ticks: int) -> tuple[float, float]:
-    """(figure side in inches, tick font size in points): the figure grows with the class count (capped, so
-    files stay a few MB) and the font fills about half of each labelled row, so 100+ classes stay readable."""
-    side = min(22.0, max(7.0, 3.0 + 0.18 * num_classes))
-    font = min(10.0, max(5.0, 800 / max(num_ticks, 1)))
-    return side, font
-
-
 def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str, title: str = "") -> str:
-    """Save a row-normalised confusion matrix as a PNG and return its path.
-
-    Colours are the fraction of each true class (so rare classes are as visible as common ones); raw counts
-    are written in the cells for small matrices. Uses a bare Figure on the Agg canvas: no pyplot global state,
-    so it neither needs a display nor disturbs an interactive session.
-    """
+    """Save the confusion matrix as a PNG coloured by the fraction of each true class (rare classes show as well as
+    common ones), with counts in the cells of small matrices; return its path. A bare Figure on the Agg canvas, no
+    pyplot global state: it needs no display and leaves an interactive session alone."""
     matrix = np.asarray(matrix)
     num_classes = len(label_names)
     rows = matrix.sum(1, keepdims=True)
     normalised = np.divide(matrix, rows, out=np.zeros(matrix.shape), where=rows > 0)
     ticks = np.arange(0, num_classes, max(1, math.ceil(num_classes / MAX_LABELLED_CLASSES)))
-    side, font = _figure_layout(num_classes, len(ticks))
+    # The figure (inches) grows with the class count, capped so files stay a few MB; the tick font (points) fills
+    # about half of each labelled row, so 100+ classes stay readable.
+    side = min(22.0, max(7.0, 3.0 + 0.18 * num_classes))
+    font = min(10.0, max(5.0, 800 / max(len(ticks), 1)))
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported here: only rank 0 draws, at the end
     from matplotlib.figure import Figure
 
@@ -70,8 +56,7 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     names = [_shorten(label_names[i]) for i in ticks]
     ax.set_xticks(ticks, names, rotation=90, fontsize=font)
     ax.set_yticks(ticks, names, fontsize=font)
-    ax.set_xlabel("Predicted class")
-    ax.set_ylabel("True class")
+    ax.set(xlabel="Predicted class", ylabel="True class")
     if title:
         ax.set_title(title)
     if num_classes <= MAX_ANNOTATED_CLASSES:
@@ -97,24 +82,6 @@ def _annotate(ax, matrix: np.ndarray, normalised: np.ndarray, side: float) -> No
             ax.text(j, i, str(count), ha="center", va="center", fontsize=font, color=colour)
 
 
-def write_per_class_csv(rows: list[dict], path: str) -> str:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for row in rows:
-            accuracy = "" if row["accuracy"] is None else f"{row['accuracy']:.6f}"
-            writer.writerow({**row, "accuracy": accuracy})
-    return path
-
-
-def _markdown_table(rows: list[dict]) -> list[str]:
-    lines = ["| Class | Accuracy | Support |", "|---|---:|---:|"]
-    for row in rows:
-        label = str(row["label"]).replace("|", "\\|")  # a pipe in a name would split the cell
-        lines.append(f"| {label} | {row['accuracy']:.2%} | {row['support']} |")
-    return lines
-
-
 def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
     """Markdown with the best and worst top_n classes by accuracy (ties by class id), or all when few."""
     scored = [row for row in rows if row["accuracy"] is not None]
@@ -130,17 +97,15 @@ def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
         worst = sorted(scored, key=lambda row: (row["accuracy"], row["class_id"]))
         sections = [(f"Best {top_n} classes", best[:top_n]), (f"Worst {top_n} classes", worst[:top_n])]
     for heading, section in sections:
-        lines += ["", f"### {heading}", "", *_markdown_table(section)]
+        lines += ["", f"### {heading}", "", "| Class | Accuracy | Support |", "|---|---:|---:|"]
+        for row in section:
+            label = str(row["label"]).replace("|", "\\|")  # a pipe in a name would split the cell
+            lines.append(f"| {label} | {row['accuracy']:.2%} | {row['support']} |")
     return "\n".join(lines) + "\n"
 
 
 def write_reports(
-    logits: np.ndarray,
-    labels: np.ndarray,
-    label_names: list[str],
-    output_dir: str,
-    split: str = "test",
-    top_n: int = 10,
+    logits: np.ndarray, labels: np.ndarray, label_names: list[str], output_dir: str, split="test", top_n=10
 ) -> dict:
     """Write the confusion matrix PNG and per-class accuracy CSV/markdown for one split; return their paths."""
     logits, labels = np.asarray(logits), np.asarray(labels).reshape(-1)
@@ -155,14 +120,18 @@ def write_reports(
     markdown = per_class_markdown(rows, split, top_n)
     matrix = confusion_matrix(labels, predictions, len(label_names))
     accuracy = float((predictions == labels).mean()) if len(labels) else 0.0
-    png = os.path.join(output_dir, f"confusion_matrix_{split}.png")
-    plot_confusion_matrix(matrix, label_names, png, title=f"Confusion matrix ({split}, accuracy {accuracy:.2%})")
-    markdown_path = os.path.join(output_dir, f"per_class_accuracy_{split}.md")
-    with open(markdown_path, "w", encoding="utf-8") as f:
-        f.write(markdown)
-    return {
-        "confusion_matrix": png,
-        "per_class_csv": write_per_class_csv(rows, os.path.join(output_dir, f"per_class_accuracy_{split}.csv")),
-        "per_class_markdown": markdown_path,
-        "markdown": markdown,
+    paths = {
+        "confusion_matrix": os.path.join(output_dir, f"confusion_matrix_{split}.png"),
+        "per_class_csv": os.path.join(output_dir, f"per_class_accuracy_{split}.csv"),
+        "per_class_markdown": os.path.join(output_dir, f"per_class_accuracy_{split}.md"),
     }
+    title = f"Confusion matrix ({split}, accuracy {accuracy:.2%})"
+    plot_confusion_matrix(matrix, label_names, paths["confusion_matrix"], title=title)
+    with open(paths["per_class_csv"], "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "accuracy": "" if row["accuracy"] is None else f"{row['accuracy']:.6f}"})
+    with open(paths["per_class_markdown"], "w", encoding="utf-8") as f:
+        f.write(markdown)
+    return {**paths, "markdown": markdown}

@@ -1,8 +1,7 @@
 """The output directory holds one run: resume it, or refuse to mix another run into it. Never overwrite silently.
 
-Each checkpoint belongs to the run that wrote it: `run_identity.json`, written into `checkpoint-N` last, once every
-rank's files are on disk, records that run. A checkpoint without it is incomplete (a crash or a full disk mid-save)
-and auto-resume skips it, saying so; one with another run's identity is refused.
+`run_identity.json`, written into `checkpoint-N` last, once every rank's files are on disk, records the run that
+wrote it. Auto-resume skips a checkpoint without it (incomplete), saying so, and refuses one of another run.
 """
 
 from __future__ import annotations
@@ -21,21 +20,18 @@ RUN_FILE = "run_config.json"
 CHECKPOINT_RECORD = "run_identity.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+LOSS_RECORD = "train_loss.json"
 
 
 @dataclass(frozen=True)
 class OutputState:
-    """What to do with the output directory."""
+    """What to do with the output directory: `state` is "fresh" (nothing there, or not training), "resume" (this
+    run's own checkpoint), "overwrite", or "refuse" (another run, a finished run, a foreign folder)."""
 
     state: str
-    """"fresh" (nothing there, or not training), "resume" (this run's own checkpoint), "overwrite", or "refuse"
-    (another run, a finished run, a foreign folder: `refusal` says which, and checks.py raises it)."""
-    resume_from: str | None = None
-    """The checkpoint folder training resumes from (with "refuse": the one it would have resumed)."""
-    stale_checkpoints: tuple[str, ...] = ()
-    """With "overwrite": the previous run's checkpoint folders, removed before training (plan.configure)."""
-    refusal: str | None = None
-    """With "refuse": the one line that says why and what to do."""
+    resume_from: str | None = None  # the checkpoint to resume (with "refuse": the one it would have resumed)
+    stale_checkpoints: tuple[str, ...] = ()  # with "overwrite": the old run's checkpoints, removed by plan.configure
+    refusal: str | None = None  # with "refuse": the one line that says why and what to do (checks.py raises it)
 
 
 def checkpoints(folder: str | os.PathLike) -> list[Path]:
@@ -47,20 +43,12 @@ def checkpoints(folder: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def written_by_us(checkpoint: Path) -> bool:
-    """A checkpoint folder the Trainer or this project wrote (foreign folders are never touched)."""
-    return (checkpoint / CHECKPOINT_RECORD).is_file() or (checkpoint / TRAINER_STATE).is_file()
-
-
 def mark_complete(checkpoint: str | os.PathLike, identity: dict) -> None:
     """Record that `checkpoint` is complete and which run wrote it (atomically: a crash leaves no half record)."""
     path = Path(checkpoint) / CHECKPOINT_RECORD
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(identity, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-LOSS_RECORD = "train_loss.json"
 
 
 def write_loss_record(checkpoint: str | os.PathLike, loss_sum: float, steps: int) -> None:
@@ -75,11 +63,8 @@ def read_loss_record(checkpoint: str | os.PathLike | None) -> float | None:
 
 
 def _differences(saved: dict, now: dict) -> list[str]:
-    return [
-        f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now"
-        for k in sorted(set(saved) | set(now))
-        if saved.get(k) != now.get(k)
-    ]
+    keys = sorted(set(saved) | set(now))
+    return [f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in keys if saved.get(k) != now.get(k)]
 
 
 def resolve_output_dir(training_args, run: dict) -> OutputState:
@@ -103,8 +88,9 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
     if not out.is_dir() or not any(out.iterdir()):
         return OutputState("fresh")
     if training_args.overwrite_output_dir:
-        stale = tuple(str(c) for c in checkpoints(out) if written_by_us(c))
-        return OutputState("overwrite", None, stale)
+        # Only checkpoints the Trainer or this project wrote: foreign folders are never touched.
+        ours = [c for c in checkpoints(out) if (c / CHECKPOINT_RECORD).is_file() or (c / TRAINER_STATE).is_file()]
+        return OutputState("overwrite", None, tuple(map(str, ours)))
     saved_file = out / RUN_FILE
     if not saved_file.is_file():
         return OutputState(
@@ -124,8 +110,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
             CHECKPOINT_RECORD,
         )
     candidate = str(complete) if complete else None
-    changed = _differences(json.loads(saved_file.read_text()), run)
-    if changed:
+    if changed := _differences(json.loads(saved_file.read_text()), run):
         return OutputState(
             "refuse",
             candidate,
@@ -134,8 +119,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
             + (f", or resume its {complete.name} anyway with --resume_from_checkpoint {complete}" if complete else ""),
         )
     if complete:
-        changed = _differences(json.loads((complete / CHECKPOINT_RECORD).read_text()), run)
-        if changed:
+        if changed := _differences(json.loads((complete / CHECKPOINT_RECORD).read_text()), run):
             return OutputState(
                 "refuse",
                 candidate,

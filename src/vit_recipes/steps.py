@@ -18,10 +18,21 @@ import transformers
 from .adapters import check_adapter_strategy, drop_zero3_leaf_modules, save_final_model
 from .arguments import RunArguments
 from .card import card_info, write_model_card
-from .data import ImageSplits, PixelCollator, decode_split, load_image_folder, write_skipped
+from .data import (
+    ImageSplits,
+    PixelCollator,
+    StorageFormat,
+    decode_split,
+    labels_of_model,
+    load_image_folder,
+    load_splits,
+    storage_format,
+    write_skipped,
+)
 from .errors import RecipeError
 from .flops import peak_flops, training_flops_per_image
 from .hub import hub_error_message
+from .memory import load_config
 from .meter import SpeedMeter
 from .metrics import make_compute_metrics
 from .modeling import FinetuneSetup, evaluation_processor
@@ -53,23 +64,32 @@ def setup_logging(training_args) -> None:
     )
 
 
-def log_splits(data_args, splits: ImageSplits) -> None:
+def load_data(args: RunArguments) -> ImageSplits:
+    """The dataset's splits with integer labels; with no dataset (predicting only), the model's labels."""
+    if not args.data.dataset_name:
+        config = load_config(args.model.model_name_or_path, args.model.cache_dir, args.model.model_revision)
+        return labels_of_model(args.model.model_name_or_path, config)
+    training = args.training
+    splits = load_splits(args.data, training.seed, args.model.cache_dir, need_train=training.do_train)
     logger.info(
         "Dataset %s: %d classes (%s); %s",
-        data_args.dataset_name,
+        args.data.dataset_name,
         len(splits.label_names),
         splits.label_source,
         ", ".join(f"{n} {len(d)}" for n, d in splits.present().items()),
     )
+    return splits
 
 
-def _meter(plan: RunPlan, model, training_args, method: str) -> SpeedMeter:
+def _meter(plan: RunPlan, model, args: RunArguments, method: str) -> SpeedMeter:
     """The speed meter, with MFU where the GPU's peak rate is known."""
     peak = peak_flops(torch.cuda.get_device_name(), plan.precision) if plan.device == "cuda" else None
     flops = None
-    if peak:
+    if peak and args.augment.patch_dropout:
+        logger.warning("No MFU with --patch_dropout: the FLOP count assumes every patch")
+    elif peak:
         try:
-            flops = training_flops_per_image(model.config, training_args.gradient_checkpointing, method)
+            flops = training_flops_per_image(model.config, args.training.gradient_checkpointing, method)
         except Exception as err:  # noqa: BLE001 - a model the meta-device count cannot run: no MFU, say why
             logger.info("No MFU: counting this model's FLOPs failed (%s)", str(err).splitlines()[0][:200])
     return SpeedMeter(plan.global_batch, flops, peak * plan.strategy.world_size if peak else None)
@@ -87,7 +107,7 @@ def build_trainer(
             args=training,
             train_dataset=splits.train,
             eval_dataset=splits.validation,
-            data_collator=PixelCollator(splits.storage_shape),
+            data_collator=PixelCollator(splits.storage_shape),  # predicting alone: set by predict_folder
             compute_metrics=make_compute_metrics(),
             train_transform=train_transform,
             eval_transform=eval_transform,
@@ -100,7 +120,7 @@ def build_trainer(
     trainer.run_identity = plan.identity
     check_adapter_strategy(trainer, finetune)  # LoRA under FSDP/ZeRO-3: set-ups that could not save the adapter
     drop_zero3_leaf_modules(trainer, finetune)
-    meter = _meter(plan, model, training, finetune.method)
+    meter = _meter(plan, model, args, finetune.method)
     attach_observability(trainer, args.observe, meter)
     return trainer, meter
 
@@ -139,6 +159,7 @@ def save_model_files(trainer, args: RunArguments, splits: ImageSplits, image_siz
     evaluation_processor(image_size, args.augment.eval_crop_pct, mean, std).save_pretrained(output_dir)
     trainer.model.config.save_pretrained(output_dir)
     labels = {"names": splits.label_names, "source": splits.label_source, "storage_shape": list(splits.storage_shape)}
+    labels["white"] = splits.white  # the level high-bit-depth images were scaled from (data.storage_format)
     Path(output_dir, "labels.json").write_text(json.dumps(labels, indent=2))
 
 
@@ -171,12 +192,15 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, p
     return reports
 
 
-def predict_folder(trainer, data_args, splits: ImageSplits) -> None:
+def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> None:
     """Classify a folder of images into predictions.csv (unreadable files are listed, not dropped)."""
     images = load_image_folder(data_args.predict_images)
-    decoded, skipped = decode_split(
-        images, "image", splits.storage_shape, data_args.preprocessing_num_workers, "predict"
-    )
+    if splits.storage_shape:  # stored as the model's training images were
+        storage = StorageFormat(splits.storage_shape, splits.white)
+    else:
+        storage = storage_format(images, "image", image_size, data_args.storage_size)
+    trainer.data_collator = PixelCollator(storage.shape)
+    decoded, skipped = decode_split(images, "image", storage, data_args.preprocessing_num_workers, "predict", [])
     logits = trainer.predict(decoded.remove_columns("file")).predictions
     logits = logits[0] if isinstance(logits, tuple) else logits
     if not trainer.is_world_process_zero():
@@ -189,8 +213,8 @@ def predict_folder(trainer, data_args, splits: ImageSplits) -> None:
         writer.writerow(["file", "label", "score"])
         for file, row in zip(decoded["file"], probabilities):
             writer.writerow([file, splits.label_names[int(row.argmax())], f"{row.max():.6f}"])
-        for index in skipped:  # unreadable files stay visible in the output
-            writer.writerow([images[index]["file"], "", "unreadable"])
+        for item in skipped:  # missing or unreadable files stay visible in the output
+            writer.writerow([images[item["row"]]["file"], "", item["problem"]])
     logger.info("Wrote %d predictions to %s", len(decoded) + len(skipped), path)
 
 

@@ -59,125 +59,62 @@ _ZERO3_REGIONS = (
     "--torch_compile_regions does not train correctly under ZeRO-3 (on 2 H200s ViT-B's loss after 60 steps was "
     "1.98 against 1.31 eager) and was slower there: drop it, or use ZeRO-2 or FSDP2 with it"
 )
-
-
-def _fp8(label: str) -> dict[str, str]:
-    return {"fp8": _FP8_SHARDED.format(label=label)}
-
-
-STRATEGIES: tuple[StrategySpec, ...] = (
-    StrategySpec(
-        "single",
-        "one device",
-        None,
-        None,
-        None,
-        "nothing",
-        use_when="the model, gradients and optimizer state fit on one GPU and one GPU is fast enough: no "
-        "communication at all, simplest to debug.",
-    ),
-    StrategySpec(
-        "ddp",
-        "DDP",
-        "accelerate_configs/ddp.yaml",
-        None,
-        None,
-        "nothing (every process holds the whole model)",
-        use_when="the model and optimizer state fit on every GPU: usually the fastest multi-GPU option; gradients "
-        "are all-reduced in buckets while the backward pass still runs.",
-    ),
-    StrategySpec(
-        "zero1",
-        "ZeRO-1",
-        "accelerate_configs/zero1.yaml",
-        "ds_configs/zero1.json",
-        1,
-        "optimizer states",
-        refusals=_fp8("ZeRO-1"),
-        use_when="DDP fits but optimizer state is the memory problem: it is sharded across GPUs for about DDP's "
-        "communication.",
-    ),
-    StrategySpec(
-        "zero2",
-        "ZeRO-2",
-        "accelerate_configs/zero2.yaml",
-        "ds_configs/zero2.json",
-        2,
-        "optimizer states and gradients",
-        refusals=_fp8("ZeRO-2"),
-        use_when="DDP fits only with a small batch: optimizer state and gradients are sharded (reduce-scatter "
-        "instead of all-reduce) for little extra communication.",
-    ),
-    StrategySpec(
-        "zero2_offload",
-        "ZeRO-2 + offload",
-        "accelerate_configs/zero2_offload.yaml",
-        "ds_configs/zero2_offload.json",
-        2,
-        "optimizer states and gradients",
-        offload=True,
-        refusals=_fp8("ZeRO-2 + offload"),
-        use_when="ZeRO-2 still runs out of memory: optimizer state lives in CPU RAM and the optimizer steps on the "
-        "CPU; much slower, use it to make a run fit, not to go fast.",
-    ),
-    StrategySpec(
-        "zero3",
-        "ZeRO-3",
-        "accelerate_configs/zero3.yaml",
-        "ds_configs/zero3.json",
-        3,
-        "parameters, gradients and optimizer states",
-        refusals={**_fp8("ZeRO-3"), "torch_compile_regions": _ZERO3_REGIONS},
-        use_when="the model itself (or the batch you need) does not fit on one GPU: parameters are sharded too and "
-        "gathered layer by layer in forward and backward, the most communication of all.",
-    ),
-    StrategySpec(
-        "zeropp",
-        "ZeRO++",
-        "accelerate_configs/zeropp.yaml",
-        "ds_configs/zeropp.json",
-        3,
-        "parameters, gradients and optimizer states (plus a secondary copy per node)",
-        refusals={**_fp8("ZeRO++"), "torch_compile_regions": _ZERO3_REGIONS},
-        use_when="ZeRO-3 across nodes or on a slow interconnect: quantised gradient communication and hierarchical "
-        "partitioning cut the traffic.",
-    ),
-    StrategySpec(
-        "zero3_offload",
-        "ZeRO-3 + offload",
-        "accelerate_configs/zero3_offload.yaml",
-        "ds_configs/zero3_offload.json",
-        3,
-        "parameters, gradients and optimizer states",
-        offload=True,
-        refusals={**_fp8("ZeRO-3 + offload"), "torch_compile_regions": _ZERO3_REGIONS},
-        use_when="ZeRO-3 still runs out of memory: parameters and optimizer state go to CPU RAM; the slowest "
-        "option, for models that fit no other way.",
-    ),
-    StrategySpec(
-        "fsdp2",
-        "FSDP2",
-        "accelerate_configs/fsdp.yaml",
-        None,
-        None,
-        "parameters, gradients and optimizer states",
-        refusals=_fp8("FSDP2"),
-        use_when="you want ZeRO-3-style sharding in plain PyTorch (per-parameter DTensor sharding, no DeepSpeed), "
-        "e.g. with torch.compile; scales best of the sharded strategies.",
-    ),
-    StrategySpec(
-        "fsdp2_offload",
-        "FSDP2 + offload",
-        "accelerate_configs/fsdp_offload.yaml",
-        None,
-        None,
-        "parameters, gradients and optimizer states",
-        offload=True,
-        refusals=_fp8("FSDP2 + offload"),
-        use_when="FSDP2 still runs out of memory: parameters and optimizer state are offloaded to CPU RAM.",
-    ),
+_ALL, _GRADS = "parameters, gradients and optimizer states", "optimizer states and gradients"
+_ROWS = (  # name, label, accelerate config, DeepSpeed JSON (both under accelerate_configs/, ds_configs/), stage, shards
+    ("single", "one device", None, None, None, "nothing"),
+    ("ddp", "DDP", "ddp.yaml", None, None, "nothing (every process holds the whole model)"),
+    ("zero1", "ZeRO-1", "zero1.yaml", "zero1.json", 1, "optimizer states"),
+    ("zero2", "ZeRO-2", "zero2.yaml", "zero2.json", 2, _GRADS),
+    ("zero2_offload", "ZeRO-2 + offload", "zero2_offload.yaml", "zero2_offload.json", 2, _GRADS),
+    ("zero3", "ZeRO-3", "zero3.yaml", "zero3.json", 3, _ALL),
+    ("zeropp", "ZeRO++", "zeropp.yaml", "zeropp.json", 3, _ALL + " (plus a secondary copy per node)"),
+    ("zero3_offload", "ZeRO-3 + offload", "zero3_offload.yaml", "zero3_offload.json", 3, _ALL),
+    ("fsdp2", "FSDP2", "fsdp.yaml", None, None, _ALL),
+    ("fsdp2_offload", "FSDP2 + offload", "fsdp_offload.yaml", None, None, _ALL),
 )
+_USE_WHEN = {
+    "single": "the model, gradients and optimizer state fit on one GPU and one GPU is fast enough: no communication "
+    "at all, simplest to debug.",
+    "ddp": "the model and optimizer state fit on every GPU: usually the fastest multi-GPU option; gradients are "
+    "all-reduced in buckets while the backward pass still runs.",
+    "zero1": "DDP fits but optimizer state is the memory problem: it is sharded across GPUs for about DDP's "
+    "communication.",
+    "zero2": "DDP fits only with a small batch: optimizer state and gradients are sharded (reduce-scatter instead of "
+    "all-reduce) for little extra communication.",
+    "zero2_offload": "ZeRO-2 still runs out of memory: optimizer state lives in CPU RAM and the optimizer steps on "
+    "the CPU; much slower, use it to make a run fit, not to go fast.",
+    "zero3": "the model itself (or the batch you need) does not fit on one GPU: parameters are sharded too and "
+    "gathered layer by layer in forward and backward, the most communication of all.",
+    "zeropp": "ZeRO-3 across nodes or on a slow interconnect: quantised gradient communication and hierarchical "
+    "partitioning cut the traffic.",
+    "zero3_offload": "ZeRO-3 still runs out of memory: parameters and optimizer state go to CPU RAM; the slowest "
+    "option, for models that fit no other way.",
+    "fsdp2": "you want ZeRO-3-style sharding in plain PyTorch (per-parameter DTensor sharding, no DeepSpeed), e.g. "
+    "with torch.compile; scales best of the sharded strategies.",
+    "fsdp2_offload": "FSDP2 still runs out of memory: parameters and optimizer state are offloaded to CPU RAM.",
+}
 
+
+def _spec(name, label, accelerate, deepspeed, stage, shards) -> StrategySpec:
+    refusals = {}
+    if name not in ("single", "ddp"):
+        refusals["fp8"] = _FP8_SHARDED.format(label=label)
+    if stage == 3:
+        refusals["torch_compile_regions"] = _ZERO3_REGIONS
+    return StrategySpec(
+        name,
+        label,
+        accelerate and f"accelerate_configs/{accelerate}",
+        deepspeed and f"ds_configs/{deepspeed}",
+        stage,
+        shards,
+        offload=name.endswith("_offload"),
+        refusals=refusals,
+        use_when=_USE_WHEN[name],
+    )
+
+
+STRATEGIES: tuple[StrategySpec, ...] = tuple(_spec(*row) for row in _ROWS)
 BY_NAME: dict[str, StrategySpec] = {s.name: s for s in STRATEGIES}
 # Names older benchmark records and the advisor used.
 ALIASES = {"fsdp": "fsdp2", "fsdp_offload": "fsdp2_offload"}

@@ -33,15 +33,9 @@ class _StopAtTheLastStep(TrainerCallback):
 
 
 class ImageClassificationTrainer(Trainer):
-    """`Trainer` plus:
-
-    - device transforms: `pixel_values` come from the DataLoader as uint8 at storage resolution and are resized,
-      augmented (training) or centre-cropped (evaluation) and normalised batched on the device;
-    - the loss: cross-entropy with label smoothing, or soft-target cross-entropy under mixup/cutmix;
-    - checkpoints that record their run and the loss so far, last, once complete (run_dir.py), and resumes that
-      never train past the run's last step;
-    - the model card: `push_to_hub` writes ours (`card`, see card.py) instead of the generic one.
-    """
+    """`Trainer` plus device transforms (uint8 batches resized, augmented or centre-cropped and normalised on the
+    device), our loss (label smoothing, or soft targets under mixup/cutmix), checkpoints that record their run and
+    loss last, once complete (run_dir.py), resumes that never train past the last step, and our model card."""
 
     def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -60,7 +54,7 @@ class ImageClassificationTrainer(Trainer):
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
         self.add_callback(_StopAtTheLastStep())
-        # Profiler regions (profiling.py): data, augment, forward, backward here; optimizer_step in ProfilerCallback.
+        # Profiler regions (observability.py): data, augment, forward, backward here; optimizer_step there.
         self.accelerator.backward = _labelled("backward", self.accelerator.backward)  # DeepSpeed: + optimizer step
 
     def train(self, resume_from_checkpoint=None, **kwargs):
@@ -76,12 +70,8 @@ class ImageClassificationTrainer(Trainer):
         return float(self.accelerator.reduce(total, reduction="mean"))
 
     def release_dataloaders(self) -> int:
-        """Stop every DataLoader's worker processes now; returns how many pools were stopped.
-
-        With persistent workers the Trainer (cached evaluation loaders) and accelerate (every prepared loader) keep
-        the loaders, and with them their workers, alive until the interpreter exits, and tearing them down there
-        took ~45 s on the GPU machines (main() done to process exit); stopped here, the exit takes ~1.5 s.
-        """
+        """Stop every DataLoader's worker processes now (the Trainer and accelerate keep persistent workers alive
+        until the interpreter exits, whose teardown is far slower); returns how many pools were stopped."""
         loaders = list(getattr(self.accelerator, "_dataloaders", []))
         loaders += list((getattr(self, "_eval_dataloaders", None) or {}).values())
         stopped = 0

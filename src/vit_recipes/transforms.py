@@ -1,28 +1,13 @@
-"""Batched image transforms that run on the training device.
+"""Batched image transforms on the training device: uint8 (B, 3, H, W) at storage size -> normalised (B, 3, S, S).
 
-The DataLoader delivers uint8 (B, 3, H, W) tensors at a storage resolution (see data.py). The modules here turn a
-whole batch at once into float32 (B, 3, S, S) model inputs, normalised with the image processor's mean/std.
+Train: random-resized crop and flip are one bilinear `grid_sample` from storage to S x S, then optionally
+RandAugment/TrivialAugmentWide with torchvision's ops and magnitudes; geometric ops sample bilinearly with black fill
+(torchvision: nearest, a sub-pixel difference). grid_sample cannot antialias, which costs little: storage is at most
+~1.14x the model size and crops only enlarge. Randomness is torch's global RNG: `torch.manual_seed` covers it.
 
-Train: random-resized crop (torchvision's sampling) and horizontal flip are one per-sample affine map, sampled
-with a single bilinear `grid_sample` straight from storage to S x S, so CIFAR's 32 -> 224 upsample costs nothing
-extra. Optionally RandAugment or TrivialAugmentWide follows, with torchvision's op set and magnitude ranges: each
-sample draws its own op, and each op runs batched on the samples that drew it. Ops work on 0..255 floats; the
-ones defined on uint8 levels (posterize, equalize) round first. Geometric ops are a second bilinear
-`grid_sample` filling with black, like torchvision's fill=0 (torchvision defaults to nearest; bilinear is smoother
-and the difference is sub-pixel). All randomness comes from torch's global RNG on the input's device, so
-`torch.manual_seed` reproduces it and the Trainer's RNG checkpoints cover it.
-
-Eval: resize the shorter side to round(S / eval_crop_pct), round to integer levels, centre-crop S x S: what the
-saved image processor (BitImageProcessor: PIL bicubic, uint8) does at inference, so evaluation scores carry over.
-
-Interpolation. Eval uses `F.interpolate(mode="bicubic", antialias=True)` because torch's antialiased path is a
-port of PIL's resampler (cubic kernel with a = -0.5, support widened by the scale factor when shrinking); plain
-torch bicubic uses a = -0.75 and aliases when shrinking. Like PIL it runs as two passes, horizontal then vertical,
-each rounded to uint8 levels; then it matches the processor to within 1-2 uint8 levels, mean < 1e-4 in normalised
-units for a 32 -> 224 upsample and a 400x333 -> 224 downsample (tests/test_transforms.py measures it). One fused
-pass leaves ~0.004 mean / ~0.4 max on noisy images, as PIL clips overshoot between its passes.
-Train uses bilinear sampling, torchvision's RandomResizedCrop default. grid_sample cannot antialias, which costs
-little: storage is at most ~1.14x the model size (data.py) and crops only enlarge.
+Eval does what the saved image processor (PIL bicubic, uint8) does, so scores carry over. torch's antialiased bicubic
+ports PIL's resampler (plain torch bicubic uses a = -0.75 and aliases); two passes rounded to uint8, like PIL, match it
+within 1-2 levels, mean < 1e-4 normalised (tests/test_transforms.py); one fused pass: ~0.004 mean / ~0.4 max.
 """
 
 from __future__ import annotations
@@ -36,7 +21,7 @@ from torch import Tensor, nn
 
 NUM_MAGNITUDE_BINS = 31  # torchvision's RandAugment/TrivialAugmentWide default: magnitudes 0..30
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
-CROP_RATIO = (3 / 4, 4 / 3)
+CROP_RATIO, CROP_ATTEMPTS = (3 / 4, 4 / 3), 10  # torchvision RandomResizedCrop's defaults
 
 
 class _Normalized(nn.Module):
@@ -49,44 +34,30 @@ class _Normalized(nn.Module):
         self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32).reshape(-1, 1, 1), persistent=False)
 
     def normalize(self, x: Tensor) -> Tensor:
-        """0..255 floats -> (x / 255 - mean) / std."""
         return (x / 255.0 - self.mean) / self.std
 
 
-# --------------------------------------------------------------------------------------------------- train: crop
-
-
 def sample_crop_flip_theta(
-    batch: int,
-    height: int,
-    width: int,
-    scale: tuple[float, float],
-    hflip_prob: float,
-    device: torch.device | str = "cpu",
-    ratio: tuple[float, float] = CROP_RATIO,
-    attempts: int = 10,
+    batch: int, height: int, width: int, scale: tuple[float, float], hflip_prob: float, device="cpu"
 ) -> Tensor:
-    """`affine_grid` thetas (B, 2, 3) of a random-resized crop followed by a horizontal flip, per sample.
-
-    torchvision's sampling, batched: up to `attempts` (area, log-uniform aspect) draws per sample, the first that
-    fits wins; samples where none fits take the largest centre crop with an aspect inside `ratio`. Crop sizes stay
-    continuous (no pixel rounding): the crop is resampled, not sliced. scale[0] >= 1 means the whole image.
-    """
-    u = torch.rand(batch, 2 * attempts + 3, device=device)  # one RNG call for everything
-    u_area, u_aspect, (u_x, u_y, u_flip) = u[:, :attempts], u[:, attempts:-3], u[:, -3:].unbind(1)
+    """`affine_grid` thetas (B, 2, 3) of a random-resized crop and horizontal flip per sample, torchvision's sampling
+    batched: of CROP_ATTEMPTS (area, log-uniform aspect) draws the first that fits wins, else the largest centre crop
+    with an aspect inside CROP_RATIO. Crops stay continuous (resampled, not sliced); scale[0] >= 1: the whole image."""
+    u = torch.rand(batch, 2 * CROP_ATTEMPTS + 3, device=device)  # one RNG call for everything
+    u_area, u_aspect, (u_x, u_y, u_flip) = u[:, :CROP_ATTEMPTS], u[:, CROP_ATTEMPTS:-3], u[:, -3:].unbind(1)
     if scale[0] >= 1:
         w = torch.full((batch,), float(width), device=device)
         h = torch.full((batch,), float(height), device=device)
         x0 = y0 = torch.zeros(batch, device=device)
     else:
         area = height * width * (scale[0] + (scale[1] - scale[0]) * u_area)
-        log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+        log_lo, log_hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
         aspect = torch.exp(log_lo + (log_hi - log_lo) * u_aspect)
         w_try, h_try = (area * aspect).sqrt(), (area / aspect).sqrt()
         fits = (w_try <= width) & (h_try <= height)
         first = fits.int().argmax(1, keepdim=True)  # argmax returns the first maximal index
         found = fits.any(1)
-        fallback_w, fallback_h = _centre_crop_size(height, width, ratio)
+        fallback_w, fallback_h = _centre_crop_size(height, width)
         w = torch.where(found, w_try.gather(1, first).squeeze(1), fallback_w)
         h = torch.where(found, h_try.gather(1, first).squeeze(1), fallback_h)
         x0 = (width - w) * torch.where(found, u_x, 0.5)
@@ -98,23 +69,20 @@ def sample_crop_flip_theta(
     return torch.stack(rows, 1).view(batch, 2, 3)
 
 
-def _centre_crop_size(height: int, width: int, ratio: tuple[float, float]) -> tuple[float, float]:
-    """torchvision RandomResizedCrop's fallback: the whole image, trimmed to an aspect ratio inside `ratio`."""
-    aspect = width / height
-    if aspect < ratio[0]:
-        return float(width), width / ratio[0]
-    if aspect > ratio[1]:
-        return height * ratio[1], float(height)
+def _centre_crop_size(height: int, width: int) -> tuple[float, float]:
+    """torchvision RandomResizedCrop's fallback: the whole image, trimmed to an aspect ratio inside CROP_RATIO."""
+    (low, high), aspect = CROP_RATIO, width / height
+    if aspect < low:
+        return float(width), width / low
+    if aspect > high:
+        return height * high, float(height)
     return float(width), float(height)
 
 
 def affine_grid(theta: Tensor, size: int) -> Tensor:
-    """`F.affine_grid(theta, (B, C, size, size), align_corners=False)` by broadcasting.
-
-    affine_grid multiplies a (B, size*size, 3) grid by theta as a batched matmul with an inner size of 3, which GPUs
-    run poorly (an fp32 bmm of 1.3 ms per ViT-B/16 batch of 512 on an H200, a third of the augmentation); the same
-    sums over broadcast rows and columns are a few elementwise passes.
-    """
+    """`F.affine_grid(theta, (B, C, size, size), align_corners=False)` as a few elementwise passes over broadcast
+    rows and columns. affine_grid's batched matmul with an inner size of 3 runs poorly on GPUs (an fp32 bmm of 1.3 ms
+    per ViT-B/16 batch of 512 on an H200, a third of the augmentation)."""
     coords = (torch.arange(size, device=theta.device, dtype=theta.dtype) * 2 + 1) / size - 1  # pixel centres
     xs, ys = coords.view(1, 1, size), coords.view(1, size, 1)
     t = theta.view(-1, 6, 1, 1).unbind(1)
@@ -129,41 +97,18 @@ def resample(x: Tensor, theta: Tensor, size: int, padding_mode: str) -> Tensor:
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=padding_mode, align_corners=False)
 
 
-# --------------------------------------------------------------------------------------------------- train: ops
-# Each op maps (n, 3, S, S) floats in 0..255 and per-sample magnitudes (n,) to the same shape. Geometric ops follow
-# torchvision's inverse maps (shear about the top-left corner, rotation counter-clockwise about the centre).
-
-
-def _warp(x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, tx: Tensor, ty: Tensor) -> Tensor:
-    """Sample x at [[a, b], [c, d]] @ p + (tx, ty) for each output point p (pixels from the centre); black fill."""
+def _warp(x: Tensor, m: Tensor, a, b, c, d, tx, ty) -> Tensor:
+    """Sample x at [[a, b], [c, d]] @ p + (tx, ty) for each output point p (pixels from the centre); black fill.
+    Each entry is a number or a per-sample tensor shaped like the magnitudes m."""
     half = x.shape[-1] / 2  # square images: normalised coords are pixels / half on both axes
-    theta = torch.stack([a, b, tx / half, c, d, ty / half], 1).view(-1, 2, 3)
+    zero = torch.zeros_like(m)
+    theta = torch.stack([zero + v for v in (a, b, tx / half, c, d, ty / half)], 1).view(-1, 2, 3)
     return resample(x, theta, x.shape[-1], padding_mode="zeros")
 
 
-def shear_x(x: Tensor, m: Tensor) -> Tensor:
-    one, zero = torch.ones_like(m), torch.zeros_like(m)
-    return _warp(x, one, m, zero, one, m * x.shape[-1] / 2, zero)  # x_in = x + m * (y - top)
-
-
-def shear_y(x: Tensor, m: Tensor) -> Tensor:
-    one, zero = torch.ones_like(m), torch.zeros_like(m)
-    return _warp(x, one, zero, m, one, zero, m * x.shape[-1] / 2)  # y_in = y + m * (x - left)
-
-
-def translate_x(x: Tensor, m: Tensor) -> Tensor:
-    one, zero = torch.ones_like(m), torch.zeros_like(m)
-    return _warp(x, one, zero, zero, one, -m.trunc(), zero)  # torchvision shifts by int(magnitude) pixels
-
-
-def translate_y(x: Tensor, m: Tensor) -> Tensor:
-    one, zero = torch.ones_like(m), torch.zeros_like(m)
-    return _warp(x, one, zero, zero, one, zero, -m.trunc())
-
-
 def rotate(x: Tensor, degrees: Tensor) -> Tensor:
-    cos, sin, zero = torch.deg2rad(degrees).cos(), torch.deg2rad(degrees).sin(), torch.zeros_like(degrees)
-    return _warp(x, cos, -sin, sin, cos, zero, zero)
+    cos, sin = torch.deg2rad(degrees).cos(), torch.deg2rad(degrees).sin()
+    return _warp(x, degrees, cos, -sin, sin, cos, 0, 0)
 
 
 def _per_sample(m: Tensor) -> Tensor:
@@ -181,22 +126,6 @@ def _grayscale(x: Tensor) -> Tensor:
     return (x * weights).sum(1, keepdim=True)
 
 
-def identity(x: Tensor, m: Tensor) -> Tensor:
-    return x
-
-
-def brightness(x: Tensor, m: Tensor) -> Tensor:
-    return (x * _per_sample(1 + m)).clamp(0, 255)
-
-
-def color(x: Tensor, m: Tensor) -> Tensor:
-    return _blend(x, _grayscale(x), 1 + m)
-
-
-def contrast(x: Tensor, m: Tensor) -> Tensor:
-    return _blend(x, _grayscale(x).mean((1, 2, 3), keepdim=True), 1 + m)
-
-
 def sharpness(x: Tensor, m: Tensor) -> Tensor:
     """Blend with PIL's SMOOTH-filtered image; the 1-pixel border keeps the original (as PIL and torchvision)."""
     n, c, h, w = x.shape
@@ -208,17 +137,13 @@ def sharpness(x: Tensor, m: Tensor) -> Tensor:
 
 
 def _levels(x: Tensor) -> Tensor:
-    """Nearest uint8 level, as float: the ops below are defined on uint8 images."""
+    """Nearest uint8 level, as float: posterize and equalize are defined on uint8 images."""
     return x.round().clamp(0, 255)
 
 
 def posterize(x: Tensor, bits: Tensor) -> Tensor:
     step = _per_sample(2.0 ** (8 - bits.round()))
     return torch.div(_levels(x), step, rounding_mode="floor") * step  # keeps the top `bits` bits
-
-
-def solarize(x: Tensor, threshold: Tensor) -> Tensor:
-    return torch.where(x >= _per_sample(threshold), 255 - x, x)
 
 
 def autocontrast(x: Tensor, m: Tensor) -> Tensor:
@@ -230,10 +155,7 @@ def autocontrast(x: Tensor, m: Tensor) -> Tensor:
 
 
 def equalize(x: Tensor, m: Tensor) -> Tensor:
-    """Per-image, per-channel histogram equalisation with PIL.ImageOps.equalize's (= torchvision's) lookup table.
-
-    All histograms come from one bincount over (image, channel, level) ids.
-    """
+    """Per-image, per-channel PIL.ImageOps.equalize (= torchvision's); one bincount over (image, channel, level)."""
     n, c, h, w = x.shape
     levels = _levels(x).long().view(n * c, h * w)
     ids = levels + 256 * torch.arange(n * c, device=x.device).unsqueeze(1)
@@ -246,46 +168,45 @@ def equalize(x: Tensor, m: Tensor) -> Tensor:
     return lut.gather(1, levels).view(n, c, h, w).to(x.dtype)
 
 
+# Each op maps (n, 3, S, S) floats in 0..255 and per-sample magnitudes m (n,) to the same shape. Geometric ops follow
+# torchvision's inverse maps (shear about the top-left corner, rotation counter-clockwise about the centre).
 OPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "Identity": identity,
-    "ShearX": shear_x,
-    "ShearY": shear_y,
-    "TranslateX": translate_x,
-    "TranslateY": translate_y,
+    "Identity": lambda x, m: x,
+    "ShearX": lambda x, m: _warp(x, m, 1, m, 0, 1, m * x.shape[-1] / 2, 0),  # x_in = x + m * (y - top)
+    "ShearY": lambda x, m: _warp(x, m, 1, 0, m, 1, 0, m * x.shape[-1] / 2),  # y_in = y + m * (x - left)
+    "TranslateX": lambda x, m: _warp(x, m, 1, 0, 0, 1, -m.trunc(), 0),  # torchvision shifts by int(m) pixels
+    "TranslateY": lambda x, m: _warp(x, m, 1, 0, 0, 1, 0, -m.trunc()),
     "Rotate": rotate,
-    "Brightness": brightness,
-    "Color": color,
-    "Contrast": contrast,
+    "Brightness": lambda x, m: (x * _per_sample(1 + m)).clamp(0, 255),
+    "Color": lambda x, m: _blend(x, _grayscale(x), 1 + m),
+    "Contrast": lambda x, m: _blend(x, _grayscale(x).mean((1, 2, 3), keepdim=True), 1 + m),
     "Sharpness": sharpness,
     "Posterize": posterize,
-    "Solarize": solarize,
+    "Solarize": lambda x, m: torch.where(x >= _per_sample(m), 255 - x, x),
     "AutoContrast": autocontrast,
     "Equalize": equalize,
 }
 
 
-def augmentation_space(policy: str, image_size: int, bins: int = NUM_MAGNITUDE_BINS) -> dict[str, tuple[Tensor, bool]]:
+def augmentation_space(policy: str, image_size: int) -> dict[str, tuple[Tensor, bool]]:
     """op name -> (magnitude per bin, signed), torchvision's RandAugment / TrivialAugmentWide tables."""
+    bins = NUM_MAGNITUDE_BINS
     wide = policy == "trivialaugment"
     enhance, shear, rotation = (0.99, 0.99, 135.0) if wide else (0.9, 0.3, 30.0)
     shift = 32.0 if wide else 150.0 / 331.0 * image_size
     posterize_span = 6 if wide else 4  # bits go 8 -> 2 (wide) or 8 -> 4
-
-    def linear(top: float) -> Tensor:
-        return torch.linspace(0.0, top, bins)
-
     none = torch.zeros(bins)
     return {
         "Identity": (none, False),
-        "ShearX": (linear(shear), True),
-        "ShearY": (linear(shear), True),
-        "TranslateX": (linear(shift), True),
-        "TranslateY": (linear(shift), True),
-        "Rotate": (linear(rotation), True),
-        "Brightness": (linear(enhance), True),
-        "Color": (linear(enhance), True),
-        "Contrast": (linear(enhance), True),
-        "Sharpness": (linear(enhance), True),
+        "ShearX": (torch.linspace(0.0, shear, bins), True),
+        "ShearY": (torch.linspace(0.0, shear, bins), True),
+        "TranslateX": (torch.linspace(0.0, shift, bins), True),
+        "TranslateY": (torch.linspace(0.0, shift, bins), True),
+        "Rotate": (torch.linspace(0.0, rotation, bins), True),
+        "Brightness": (torch.linspace(0.0, enhance, bins), True),
+        "Color": (torch.linspace(0.0, enhance, bins), True),
+        "Contrast": (torch.linspace(0.0, enhance, bins), True),
+        "Sharpness": (torch.linspace(0.0, enhance, bins), True),
         "Posterize": (8 - (torch.arange(bins) / ((bins - 1) / posterize_span)).round(), False),
         "Solarize": (torch.linspace(255.0, 0.0, bins), False),
         "AutoContrast": (none, False),
@@ -340,9 +261,6 @@ class RandomOps(nn.Module):
         return op_ids, table[op_ids, bins] * torch.where(negate, -1.0, 1.0)
 
 
-# --------------------------------------------------------------------------------------------------- modules
-
-
 class TrainTransform(_Normalized):
     """uint8 (B, 3, H, W) -> float32 (B, 3, S, S): random-resized crop + flip, optional RandAugment, normalise."""
 
@@ -384,9 +302,8 @@ class EvalTransform(_Normalized):
         self.resize_to = round(image_size / eval_crop_pct)
 
     def forward(self, pixels: Tensor) -> Tensor:
-        x = pixels.float()
-        height, width = resized_shape(x.shape[-2], x.shape[-1], self.resize_to)
-        x = pil_bicubic_resize(x, height, width)
+        height, width = resized_shape(*pixels.shape[-2:], self.resize_to)
+        x = pil_bicubic_resize(pixels.float(), height, width)
         top, left = (height - self.image_size) // 2, (width - self.image_size) // 2  # transformers' center_crop
         x = x[..., top : top + self.image_size, left : left + self.image_size]
         return self.normalize(x)
@@ -409,29 +326,16 @@ def resized_shape(height: int, width: int, shortest_edge: int) -> tuple[int, int
 
 
 def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransform, EvalTransform]:
-    train = TrainTransform(
-        image_size,
-        mean,
-        std,
-        crop_scale_min=getattr(aug_args, "crop_scale_min", 0.08),
-        hflip_prob=getattr(aug_args, "hflip_prob", 0.5),
-        auto_augment=getattr(aug_args, "auto_augment", "none"),
-        randaugment_num_ops=getattr(aug_args, "randaugment_num_ops", 2),
-        randaugment_magnitude=getattr(aug_args, "randaugment_magnitude", 9),
-    )
-    return train, EvalTransform(image_size, mean, std, eval_crop_pct=getattr(aug_args, "eval_crop_pct", 1.0))
-
-
-# --------------------------------------------------------------------------------------------------- mixup
+    """The train and eval transforms an AugmentationArguments describes."""
+    train_fields = ("crop_scale_min", "hflip_prob", "auto_augment", "randaugment_num_ops", "randaugment_magnitude")
+    train = TrainTransform(image_size, mean, std, **{name: getattr(aug_args, name) for name in train_fields})
+    return train, EvalTransform(image_size, mean, std, aug_args.eval_crop_pct)
 
 
 class MixupCutmix:
-    """timm's Mixup in 'batch' mode: one lam ~ Beta(alpha, alpha) per batch, each sample mixed with its mirror
+    """timm's Mixup in 'batch' mode: one lam ~ Beta(alpha, alpha) per batch (torch's CPU RNG), each sample mixed with
     x.flip(0); mixup or cutmix (50/50 when both are on), cutmix's lam corrected to the pasted box's area.
-
-    Returns the mixed pixels and soft targets lam * onehot(y) + (1 - lam) * onehot(y.flip(0)), label-smoothed.
-    Randomness comes from torch's CPU RNG.
-    """
+    Returns the mixed pixels and label-smoothed soft targets lam * onehot(y) + (1 - lam) * onehot(y.flip(0))."""
 
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, label_smoothing: float = 0.0):
         if mixup_alpha <= 0 and cutmix_alpha <= 0:
@@ -446,7 +350,8 @@ class MixupCutmix:
             use_cutmix = bool(torch.rand(()) < 0.5)
         else:
             use_cutmix = self.cutmix_alpha > 0
-        lam = _sample_beta(self.cutmix_alpha if use_cutmix else self.mixup_alpha)
+        alpha = torch.tensor(self.cutmix_alpha if use_cutmix else self.mixup_alpha)
+        lam = float(torch.distributions.Beta(alpha, alpha).sample())
         if use_cutmix:
             pixels, lam = cutmix(pixels, lam)
         else:
@@ -459,11 +364,6 @@ class MixupCutmix:
         onehot = torch.full((labels.shape[0], self.num_classes), off, dtype=torch.float32, device=labels.device)
         onehot.scatter_(1, labels.long().view(-1, 1), on)
         return lam * onehot + (1 - lam) * onehot.flip(0)
-
-
-def _sample_beta(alpha: float) -> float:
-    concentration = torch.tensor(alpha)
-    return float(torch.distributions.Beta(concentration, concentration).sample())
 
 
 def cutmix(pixels: Tensor, lam: float) -> tuple[Tensor, float]:
@@ -480,8 +380,6 @@ def cutmix(pixels: Tensor, lam: float) -> tuple[Tensor, float]:
 
 
 def build_mixup(aug_args, num_classes: int, label_smoothing: float) -> MixupCutmix | None:
-    mixup_alpha = getattr(aug_args, "mixup_alpha", 0.0)
-    cutmix_alpha = getattr(aug_args, "cutmix_alpha", 0.0)
-    if mixup_alpha <= 0 and cutmix_alpha <= 0:
+    if aug_args.mixup_alpha <= 0 and aug_args.cutmix_alpha <= 0:
         return None
-    return MixupCutmix(mixup_alpha, cutmix_alpha, num_classes, label_smoothing)
+    return MixupCutmix(aug_args.mixup_alpha, aug_args.cutmix_alpha, num_classes, label_smoothing)

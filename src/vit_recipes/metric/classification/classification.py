@@ -1,9 +1,5 @@
-"""Image-classification metrics from logits: accuracy, top-k accuracy and macro F1/precision/recall.
-
-A local `evaluate` module so that evaluation works offline (`evaluate.load("accuracy")` needs the Hub).
-It is loaded by path, so it must stay self-contained: evaluate copies this one file into its module cache.
-Numpy only; the macro averages match scikit-learn's defaults (labels=None, zero_division=0).
-"""
+"""Accuracy, top-k and macro F1/precision/recall: a local `evaluate` module, so evaluation works offline (unlike
+`evaluate.load("accuracy")`). Loaded by path, it stays self-contained, numpy only: evaluate copies this one file."""
 
 import datasets
 import evaluate
@@ -12,11 +8,9 @@ import numpy as np
 _DESCRIPTION = """\
 Classification metrics computed from per-class scores (logits or probabilities):
 - accuracy: fraction of samples whose highest-scoring class is the reference class;
-- top{k}_accuracy: fraction of samples whose reference class is among the k highest scores, with
-  k = min(top_k, num_classes) (so it is 1.0 when there are no more than k classes);
-- f1_macro, precision_macro, recall_macro: unweighted means over the classes present in the references
-  or the predictions, as scikit-learn's `average="macro"` with `zero_division=0` (a class never predicted
-  has precision 0, a class never referenced has recall 0).
+- top{k}_accuracy: fraction of samples whose reference class is among the k = min(top_k, num_classes) highest scores;
+- f1_macro, precision_macro, recall_macro: unweighted means over the classes present in the references or the
+  predictions, as scikit-learn's `average="macro"` with `zero_division=0`.
 """
 
 _KWARGS_DESCRIPTION = """
@@ -32,18 +26,7 @@ Examples:
     {'accuracy': 0.5, 'top1_accuracy': 0.5, 'f1_macro': 0.333..., 'precision_macro': 0.5, 'recall_macro': 0.25}
 """
 
-_CITATION = """\
-@article{scikit-learn,
-  title={Scikit-learn: Machine Learning in {P}ython},
-  author={Pedregosa, F. and Varoquaux, G. and Gramfort, A. and Michel, V. and Thirion, B. and Grisel, O.
-          and Blondel, M. and Prettenhofer, P. and Weiss, R. and Dubourg, V. and Vanderplas, J. and Passos, A.
-          and Cournapeau, D. and Brucher, M. and Perrot, M. and Duchesnay, E.},
-  journal={Journal of Machine Learning Research},
-  volume={12},
-  pages={2825--2830},
-  year={2011}
-}
-"""
+_CITATION = "Pedregosa et al., Scikit-learn: Machine Learning in Python, JMLR 12, pp. 2825-2830, 2011."
 
 
 def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:

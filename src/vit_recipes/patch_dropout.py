@@ -1,0 +1,61 @@
+"""Patch dropout (`--patch_dropout RATE`): each training image keeps a random subset of its patch tokens.
+
+PatchDropout (Liu et al., WACV 2023; timm's `patch_drop_rate`): after the position embeddings are added, dropping a
+fraction of the patch tokens shortens every encoder layer's sequence, so a step costs about (1 - RATE) of the
+compute, and it regularises like random erasing. The [CLS] token always stays; evaluation and prediction see every
+patch. The kept count is fixed per model, so compiled layers see one shape. A forward hook on the embeddings module
+does it: no weight, state-dict key or saved file changes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .errors import RecipeError
+
+logger = logging.getLogger(__name__)
+
+
+def _embeddings(model: nn.Module) -> tuple[nn.Module, int]:
+    """The module whose output is [prefix tokens, patch tokens] + positions, and how many prefix tokens it has."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Embeddings") and isinstance(
+            getattr(module, "cls_token", None), nn.Parameter
+        ):
+            return module, 1 + isinstance(getattr(module, "distillation_token", None), nn.Parameter)  # DeiT: 2
+    raise RecipeError(
+        f"--patch_dropout needs a ViT-style model (an embeddings module with a [CLS] token); "
+        f"{type(model).__name__} has none: drop --patch_dropout"
+    )
+
+
+def keep_patches(tokens: torch.Tensor, prefix: int, keep: int) -> torch.Tensor:
+    """(B, prefix + N, D) -> (B, prefix + keep, D): the prefix tokens and `keep` random patch tokens per sample."""
+    batch, length, dim = tokens.shape
+    order = torch.rand(batch, length - prefix, device=tokens.device).argsort(dim=1)[:, :keep]
+    kept = tokens[:, prefix:].gather(1, order.unsqueeze(-1).expand(-1, -1, dim))
+    return torch.cat([tokens[:, :prefix], kept], dim=1)
+
+
+def add_patch_dropout(model: nn.Module, rate: float) -> int:
+    """Drop `rate` of the patch tokens of every training forward of `model`; returns the patches kept per image."""
+    if rate <= 0:
+        return 0
+    embeddings, prefix = _embeddings(model)
+    size, patch = (
+        v[0] if isinstance(v, (list, tuple)) else v for v in (model.config.image_size, model.config.patch_size)
+    )
+    patches = (size // patch) ** 2
+    keep = max(1, round(patches * (1 - rate)))
+
+    def hook(module, args, output):
+        return keep_patches(output, prefix, keep) if module.training else output
+
+    embeddings.register_forward_hook(hook)
+    logger.warning(
+        "--patch_dropout %g: training images keep %d of %d patches; evaluation sees all", rate, keep, patches
+    )
+    return keep
