@@ -360,7 +360,10 @@ def pretrain(
     return runner("pretrain", 42, argv, out)
 
 
-def finetune(work: Path, size: Size, runner: Runner, method: str, seed: int, lr: float) -> RunResult:
+def finetune(
+    work: Path, size: Size, runner: Runner, method: str, seed: int, lr: float, extra=(), name: str | None = None
+) -> RunResult:
+    """One fine-tuning run on digits; `extra` flags come last (they win), `name` is the output folder's."""
     from demo_data import build_digits
 
     data = work / "digits"
@@ -368,7 +371,7 @@ def finetune(work: Path, size: Size, runner: Runner, method: str, seed: int, lr:
         build_digits(data)
     recipe = work / "finetune.yaml"
     recipe.write_text(FINETUNE_RECIPE)
-    out = work / f"{method}-lr{lr:g}-seed{seed}"
+    out = work / (name or f"{method}-lr{lr:g}-seed{seed}")
     argv = [
         "--config", str(recipe),
         "--dataset_name", str(data),
@@ -382,6 +385,7 @@ def finetune(work: Path, size: Size, runner: Runner, method: str, seed: int, lr:
         "--seed", str(seed),
         *METHOD_FLAGS[method],
         *size.extra,
+        *extra,
     ]  # fmt: skip
     return runner(method, seed, argv, out)
 

@@ -120,7 +120,9 @@ def test_uncached_hub_id_offline_is_one_line(monkeypatch, tmp_path, capsys):
     code = advise.main(["--model", "google/vit-huge-patch14-224-in21k", "--gpus", "4", "--batch", "32"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0].startswith("error: 'google/vit-huge-patch14-224-in21k' is not in the local Hugging Face cache")
+    assert err[0].startswith(
+        "error: 'google/vit-huge-patch14-224-in21k' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1"
+    )
 
 
 def test_bad_numbers_are_one_line(tmp_path, capsys):

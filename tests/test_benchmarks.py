@@ -502,3 +502,34 @@ def test_kernel_timings_group_kernels_replot_and_refuse_without_a_gpu(tmp_path):
             [sys.executable, BENCH / "kernels.py", "--out", "unused"], capture_output=True, text=True
         )
         assert result.returncode == 1 and result.stderr.strip().endswith("needs a CUDA GPU")
+
+
+def test_patch_dropout_time_to_accuracy_is_the_first_epoch_at_the_target():
+    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(BENCH))
+    patch_dropout = load_module("patch_dropout")
+
+    def run(rate, curve, epoch_seconds, seed=0):
+        return {"rate": rate, "seed": seed, "validation_curve": list(enumerate(curve, 1)),
+                "epoch_seconds": epoch_seconds, "train_images_per_second": 100 / epoch_seconds,
+                "test_accuracy": curve[-1]}  # fmt: skip
+
+    runs = [run(0.0, [0.5, 0.8, 0.9, 0.91], 2.0), run(0.5, [0.6, 0.906, 0.9, 0.9], 1.0), run(0.75, [0.5, 0.6], 0.5)]
+    summary = patch_dropout.summarise(runs, [0.0, 0.5, 0.75])
+    assert summary["target_validation_accuracy"] == 0.905  # the full-patch final accuracy minus 0.5 point
+    rows = summary["rates"]
+    assert rows["0"]["time_to_target_s"] == 8.0  # epoch 4 x 2 s
+    assert rows["0.5"]["time_to_target_s"] == 2.0 and rows["0.5"]["speedup_to_target"] == 4.0  # epoch 2 x 1 s
+    assert rows["0.75"]["time_to_target_s"] is None and rows["0.75"]["reached_target"] == 0
+    assert "not reached (0/1 runs)" in patch_dropout.markdown(
+        {
+            "device": "CPU",
+            "commit": "x",
+            "command": "c",
+            "base": "b",
+            "finetune_epochs": 4,
+            "learning_rate": 1e-3,
+            "seeds": [0],
+            "summary": summary,
+        }  # fmt: skip
+    )

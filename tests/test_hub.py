@@ -218,3 +218,32 @@ def test_an_unreachable_hub_is_one_line_before_any_data_or_model(tmp_path, tiny_
             f"error: could not reach the Hugging Face Hub to download {what}: "
         ), last
         assert "to work offline pass local paths" in last and "Traceback" not in result.stderr
+
+
+def test_the_cards_reproduce_command_is_the_launch_as_typed():
+    """The strategy's own launcher and config, and none of what a launcher injects (--local_rank)."""
+    from vit_recipes import strategies
+    from vit_recipes.card import reproduce_command
+
+    def strategy(name, world, per_node=None, from_accelerate=False):
+        spec = strategies.get(name)
+        nodes = world // (per_node or world)
+        return types.SimpleNamespace(spec=spec, world_size=world, processes_per_node=per_node or world, nodes=nodes,
+                                     from_accelerate=from_accelerate)  # fmt: skip
+
+    args = ["--config", "recipes/x.yaml"]
+    assert (
+        reproduce_command(strategy("single", 1), args) == "python run_image_classification.py --config recipes/x.yaml"
+    )
+    assert reproduce_command(strategy("zero3", 8, from_accelerate=True), args) == (
+        "accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 8 "
+        "run_image_classification.py --config recipes/x.yaml"
+    )
+    deepspeed_argv = ["--local_rank=0", "--deepspeed", "ds_configs/zero2.json", *args]
+    assert reproduce_command(strategy("zero2", 16, per_node=8), deepspeed_argv) == (
+        "deepspeed --num_gpus 8 --num_nodes 2 run_image_classification.py --deepspeed ds_configs/zero2.json "
+        "--config recipes/x.yaml"
+    )
+    assert reproduce_command(strategy("ddp", 2), args).startswith(
+        "accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 "
+    )

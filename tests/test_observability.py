@@ -191,3 +191,31 @@ def test_trackio_logs_locally(cifar_like, tiny_vit, tmp_path, run_script, monkey
     logged = b" ".join(m if isinstance(m, bytes) else m.encode() for _, m in rows)
     for key in (b"train/images_per_second", b"train/grad_norm", b"eval/accuracy", b"test/accuracy"):
         assert key in logged, key
+
+
+def test_plots_say_when_train_loss_is_smoothed_and_draw_amounts_from_zero(tmp_path, monkeypatch):
+    from vit_recipes import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    train = [
+        {
+            "step": s,
+            "loss": 2 - s / 10,
+            "learning_rate": 1e-3,
+            "images_per_second": 1000.0 + s,
+            "step_time_s": 0.5,
+            "data_wait_fraction": 0.01,
+            "gpu_mem_allocated_gib_rank0": 0.55 + s / 1000,
+        }  # fmt: skip
+        for s in (10, 20)
+    ]
+    plots.write_plots([*train, {"step": 20, "eval_loss": 1.5, "eval_accuracy": 0.5}], str(tmp_path), 0.1)
+    curves, _, throughput = figures
+    loss = curves.axes[0]
+    labels = [line.get_label() for line in loss.get_lines()]
+    assert labels == ["train loss, label smoothing 0.1", "validation loss (no smoothing)"]
+    assert loss.get_lines()[0].get_marker() == "o"  # two points only: each drawn
+    memory = throughput.axes[-1]
+    assert memory.get_title() == "gpu_mem_allocated_gib per rank" and memory.get_ylim()[0] == 0  # not a 0.55 cliff
+    assert all(ax.get_ylim()[0] == 0 for ax in throughput.axes)

@@ -56,6 +56,7 @@ def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, ru
     # no validation split: the carve is in the log and in the card
     assert "No validation split: carved 100 of 400 train images into one (seed 42, stratified)" in printed
     assert "- validation: 100 of the 400 train images, carved out of train (seed 42, stratified)" in card
+    assert [line for line in card.splitlines() if line.startswith("## Per-class")] == ["## Per-class accuracy (test)"]
     with open(out / "per_class_accuracy_test.csv") as f:
         assert len(list(csv.DictReader(f))) == 100
 

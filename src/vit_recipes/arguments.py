@@ -22,7 +22,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from .errors import RecipeError
+from .errors import RecipeError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -264,8 +264,8 @@ class RecipeTrainingArguments(TrainingArguments):
             os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true"
             self.torch_compile = True
         if self.torch_compile and not self.dataloader_drop_last:
-            # An epoch's short last batch is a new shape: torch.compile recompiles for it (seen: ~45 s on an H100,
-            # every epoch, for 2,000 img/s steps). Dropping it costs under one batch of images per epoch.
+            # An epoch's short last batch is a new shape that torch.compile recompiles for, every epoch (tens of
+            # seconds on a GPU); dropping it costs under one batch of images per epoch.
             logger.info("--torch_compile: dropping each epoch's incomplete last batch (a new shape would recompile)")
             self.dataloader_drop_last = True
         if self.do_predict and not (self.do_train or self.do_eval):
@@ -293,7 +293,7 @@ def align_matmul_precision() -> None:
         torch.set_float32_matmul_precision("high")
 
 
-ARGUMENT_CLASSES = (
+ARGUMENT_CLASSES = (  # one --help group each, in this order
     ModelArguments,
     DataArguments,
     AugmentationArguments,
@@ -388,7 +388,7 @@ def parse_args(
     try:
         parsed = [cls(**{f.name: values[f.name] for f in fields(cls) if f.init}) for cls in ARGUMENT_CLASSES]
     except ValueError as err:  # raised by TrainingArguments.__post_init__ on inconsistent values
-        raise RecipeError(f"invalid arguments: {str(err).splitlines()[0]}") from None
+        raise RecipeError(f"invalid arguments: {first_line(err)}") from None
     args = RunArguments(*parsed, recipe=known.config)
     if args.training.hub_token:  # TrainingArguments is pickled into every checkpoint: a token there would leak
         os.environ["HF_TOKEN"] = args.training.hub_token

@@ -19,6 +19,8 @@ from .launch import env_int
 
 logger = logging.getLogger(__name__)
 
+_NOISE = re.compile(r"runtime|per_second|epoch|mem_|flos")
+
 
 @dataclass
 class CardInfo:
@@ -60,9 +62,6 @@ def _metric_spec(key: str) -> dict | None:
 def _metric_label(key: str) -> str:
     spec = _metric_spec(key)
     return spec["metric_name"] if spec else key.replace("_", " ").capitalize()
-
-
-_NOISE = re.compile(r"runtime|per_second|epoch|mem_|flos")
 
 
 def _strip(metrics: dict[str, float]) -> dict[str, float]:
@@ -121,19 +120,17 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
     keys = list(dict.fromkeys([*validation, *test]))
     keys.sort(key=lambda k: (_metric_spec(k) is None, k == "loss"))  # known metrics first, loss last
     rows = [(_metric_label(k), *(f"{m[k]:.4f}" if k in m else "-" for m in (validation, test))) for k in keys]
-    results = "## Results\n\n" + _table(("Metric", "Validation", "Test"), rows)
+    parts.append("## Results\n\n" + _table(("Metric", "Validation", "Test"), rows))
     if not test:
-        results += "\n\nThere is no test split: the model-index metadata reports the validation split."
-    parts.append(results)
+        parts.append("There is no test split: the model-index metadata reports the validation split.")
 
     if info.data_notes:
         parts.append("## Data\n\nWhat this run did to the dataset:\n\n" + "\n".join(f"- {n}" for n in info.data_notes))
     parts.append(f"## Reproduce\n\n```bash\n{info.command}\n```")
     if info.recipe or info.recipe_text:
-        recipe = f"## Recipe\n\n`{info.recipe}`" if info.recipe else "## Recipe"
-        if info.recipe_text:
-            recipe += f"\n\n```yaml\n{info.recipe_text.rstrip()}\n```"
-        parts.append(recipe)
+        parts.append(f"## Recipe\n\n`{info.recipe}`" if info.recipe else "## Recipe")
+    if info.recipe_text:
+        parts.append(f"```yaml\n{info.recipe_text.rstrip()}\n```")
     if info.hyperparameters:
         parts.append("## Hyperparameters\n\n" + _table(("Hyperparameter", "Value"), [*info.hyperparameters.items()]))
 
@@ -145,21 +142,19 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
     parts.append("## Training setup\n\n" + "\n".join(setup))
 
     if info.per_class_markdown:
-        parts.append("## Per-class results\n\n" + info.per_class_markdown.strip())
+        parts.append(info.per_class_markdown.strip())  # its own "## Per-class accuracy (split)" section
     if info.confusion_matrix_file:
         parts.append(f"## Confusion matrix\n\n![Confusion matrix]({info.confusion_matrix_file})")
 
-    usage = (
-        "## How to use\n\n```python\nfrom transformers import pipeline\n\n"
-        f'classifier = pipeline("image-classification", model="{info.model_name}")\n'
-        'print(classifier("path/to/image.jpg"))\n```'
-    )
+    parts.append("## How to use")
+    code = f'from transformers import pipeline\n\nclassifier = pipeline("image-classification", model="{info.model_name}")\n'
     if info.library_name == "peft":  # the base with this repo's labels, then the adapter (docs/lora.md)
         base = info.base_model or info.base_model_source or "BASE_MODEL"
-        usage = (
-            "## How to use\n\nThis repo holds a LoRA adapter for "
-            f"`{base}` (the classifier head included): loading it needs `pip install peft`.\n\n"
-            "```python\nfrom peft import PeftModel\n"
+        parts.append(
+            f"This repo holds a LoRA adapter for `{base}` (the classifier head included): loading it needs `pip install peft`."
+        )
+        code = (
+            "from peft import PeftModel\n"
             "from transformers import AutoConfig, AutoModelForImageClassification, pipeline\n\n"
             f'config = AutoConfig.from_pretrained("{base}")\n'
             f'labels = AutoConfig.from_pretrained("{info.model_name}")\n'
@@ -168,14 +163,12 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
             "ignore_mismatched_sizes=True)\n"
             f'model = PeftModel.from_pretrained(base, "{info.model_name}").merge_and_unload()\n'
             f'classifier = pipeline("image-classification", model=model, image_processor="{info.model_name}")\n'
-            'print(classifier("path/to/image.jpg"))\n```'
         )
-    parts.append(usage)
+    parts.append(f'```python\n{code}print(classifier("path/to/image.jpg"))\n```')
     return "\n\n".join(parts) + "\n"
 
 
 def build_model_card(info: CardInfo) -> ModelCard:
-    """Model card with Hub metadata (incl. model-index) and a body that tells how to reproduce the run."""
     validation, test = _strip(info.validation_metrics), _strip(info.test_metrics)
     eval_results = _eval_results(info, test, "test") if test else _eval_results(info, validation, "validation")
     if info.library_name == "peft" and not info.base_model:
@@ -192,13 +185,11 @@ def build_model_card(info: CardInfo) -> ModelCard:
         model_name=info.model_name if eval_results else None,
         eval_results=eval_results or None,
     )
-    content = f"---\n{data.to_yaml()}\n---\n\n{_body(info, validation, test)}"
     # Redact the whole text (YAML included): the command line and recipe can carry a token.
-    return ModelCard(redact(content))
+    return ModelCard(redact(f"---\n{data.to_yaml()}\n---\n\n{_body(info, validation, test)}"))
 
 
 def write_model_card(info: CardInfo, output_dir: str) -> str:
-    """Write output_dir/README.md and return its path."""
     path = Path(output_dir) / "README.md"
     build_model_card(info).save(path)  # creates output_dir if need be
     return str(path)
@@ -216,8 +207,23 @@ def hardware_description() -> str:
     return f"CPU ({os.cpu_count() or 1} cores{extra})"
 
 
+def reproduce_command(strategy, argv: list[str]) -> str:
+    """The command that runs this again: the launcher with the strategy's config file, without the arguments a
+    launcher adds (the `deepspeed` launcher passes --local_rank; torchrun, which accelerate runs, passes none)."""
+    by_deepspeed = any(a.startswith("--local_rank") for a in argv)
+    argv = [a for a in argv if not a.startswith("--local_rank")]
+    config = strategy.spec.accelerate_config
+    if by_deepspeed:
+        nodes = f" --num_nodes {strategy.nodes}" if strategy.nodes > 1 else ""
+        launcher = f"deepspeed --num_gpus {strategy.processes_per_node}{nodes}"
+    elif config and (strategy.world_size > 1 or strategy.from_accelerate):
+        launcher = f"accelerate launch --config_file {config} --num_processes {strategy.world_size}"
+    else:
+        launcher = "python"
+    return " ".join([launcher, "run_image_classification.py", *map(shlex.quote, argv)])
+
+
 def card_info(args, plan, argv, splits, results, reports, finetune, images_per_second) -> CardInfo:
-    """Everything the card says about a finished run, from its arguments, plan, data and results."""
     model_source = args.model.model_name_or_path
     is_hub = lambda name: bool(name) and not os.path.exists(os.path.expanduser(name))  # noqa: E731
     dataset_id, _ = resolve_source(args.data.dataset_name or "")
@@ -240,26 +246,24 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "storage_size": "x".join(map(str, splits.storage_shape)),
         "seed": training.seed,
     }
-    launcher = "python" if plan.strategy.world_size == 1 else f"torchrun --nproc_per_node {plan.strategy.world_size}"
-    info = {
-        "model_name": training.hub_model_id or os.path.basename(os.path.abspath(training.output_dir)),
-        "base_model": model_source if is_hub(model_source) else None,
-        "base_model_source": model_source,  # None: trained from scratch
-        "dataset_id": dataset_id if is_hub(dataset_id) else os.path.basename(os.path.abspath(dataset_id)),
-        "dataset_is_hub": is_hub(dataset_id),
-        "label_names": splits.label_names,
-        "validation_metrics": {k: v for k, v in results.items() if k.startswith("eval_")},
-        "test_metrics": {k: v for k, v in results.items() if k.startswith("test_")},
-        "hyperparameters": {k: v for k, v in hyperparameters.items() if v is not None},
-        "command": " ".join([launcher, "run_image_classification.py", *map(shlex.quote, argv)]),
-        "recipe": args.recipe,
-        "recipe_text": Path(args.recipe).read_text() if args.recipe else None,
-        "strategy": plan.strategy.name,
-        "hardware": hardware_description(),
-        "throughput": images_per_second,
-        "per_class_markdown": reports.get("markdown"),
-        "confusion_matrix_file": os.path.basename(reports["confusion_matrix"]) if reports else None,
-        "data_notes": list(splits.notes),
-    }
-    info.update(finetune.card_fields(info["hyperparameters"]))  # LoRA adapters: library peft, their settings
-    return CardInfo(**info)
+    return CardInfo(
+        model_name=training.hub_model_id or os.path.basename(os.path.abspath(training.output_dir)),
+        base_model=model_source if is_hub(model_source) else None,
+        base_model_source=model_source,  # None: trained from scratch
+        dataset_id=dataset_id if is_hub(dataset_id) else os.path.basename(os.path.abspath(dataset_id)),
+        dataset_is_hub=is_hub(dataset_id),
+        label_names=splits.label_names,
+        validation_metrics={k: v for k, v in results.items() if k.startswith("eval_")},
+        test_metrics={k: v for k, v in results.items() if k.startswith("test_")},
+        command=reproduce_command(plan.strategy, argv),
+        recipe=args.recipe,
+        recipe_text=Path(args.recipe).read_text() if args.recipe else None,
+        strategy=plan.strategy.name,
+        hardware=hardware_description(),
+        throughput=images_per_second,
+        per_class_markdown=reports.get("markdown"),
+        confusion_matrix_file=os.path.basename(reports["confusion_matrix"]) if reports else None,
+        data_notes=list(splits.notes),
+        # hyperparameters, the method's included; LoRA adapters: library peft, tags
+        **finetune.card_fields({k: v for k, v in hyperparameters.items() if v is not None}),
+    )

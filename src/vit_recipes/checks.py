@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .data import resolve_source
 from .errors import RecipeError
-from .hub import check_push_ready, hub_error_message, offline_env
+from .hub import check_push_ready, hub_error_message, offline_env, written_as_path
 from .launch import is_true, visible_gpus
 from .memory import host_memory_for, model_size_from_args
 
@@ -275,8 +275,8 @@ def check_resume(strategy, checkpoint: str | None) -> None:
 
 def check_model(strategy, model) -> None:
     """The checks that need the built model: FSDP2's wrap list, then ZeRO++'s quantized weights (qwZ), which assert at
-    the first forward that each gathered module's shard holds a multiple of 8 values (on 4 H200s a 100-label head
-    split into 19,225 per GPU); only the head's size depends on the dataset, and a leaf module is one unit."""
+    the first forward that each gathered module's shard holds a multiple of 8 values (a 100-label head on 4 GPUs:
+    19,225 each); only the head's size depends on the dataset, and a leaf module is one unit."""
     check_fsdp_wrap(strategy, model)
     if not is_true(config_value(strategy.deepspeed_config, "zero_optimization.zero_quantized_weights")):
         return
@@ -324,8 +324,8 @@ def check_fsdp_wrap(strategy, model) -> None:
 
 
 def _hub_id(name: str | None) -> bool:
-    """A name the Hub must resolve: not a local path, nor one written as a path (data.load_any's rule)."""
-    return bool(name) and not Path(name).expanduser().exists() and not name.startswith((".", "/", "~"))
+    """A name the Hub must resolve: not a local path, nor one written as a path."""
+    return bool(name) and not written_as_path(name) and not Path(name).expanduser().exists()
 
 
 def check_hub(args) -> None:
@@ -336,7 +336,7 @@ def check_hub(args) -> None:
 
     check_push_ready(args.training)
     model, dataset = args.model, resolve_source(args.data.dataset_name)[0] if args.data.dataset_name else None
-    if _hub_id(model.model_name_or_path) and model.model_name_or_path.count("/") <= 1:
+    if _hub_id(model.model_name_or_path):
         try:  # the cached copy when there is one; offline without one, or unreachable, raises
             huggingface_hub.hf_hub_download(
                 model.model_name_or_path, "config.json", revision=model.model_revision, cache_dir=model.cache_dir
@@ -350,7 +350,7 @@ def check_hub(args) -> None:
                     "pass a local checkpoint folder (--model_name_or_path ./checkpoint) or unset HF_HUB_OFFLINE"
                 ) from None
             raise RecipeError(hub_error_message(err, f"download the model '{model.model_name_or_path}'")) from None
-    if _hub_id(dataset) and dataset.count("/") <= 1 and not offline_env():  # offline, datasets reads its cache
+    if _hub_id(dataset) and not offline_env():  # offline, datasets reads its cache
         try:
             huggingface_hub.HfApi().dataset_info(dataset, timeout=20)
         except RepositoryNotFoundError:  # data.load_any names it with the offline hint

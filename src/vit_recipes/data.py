@@ -23,7 +23,8 @@ import pyarrow.compute as pc
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Value
 
-from .errors import RecipeError
+from .errors import RecipeError, first_line
+from .hub import written_as_path
 from .images import IMAGE_EXTENSIONS, decode_to_chw, probe, white_level
 
 logger = logging.getLogger(__name__)
@@ -84,17 +85,18 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
                 empty = re.search(r'Instruction "(.+)" corresponds to no data', str(err))
                 if empty:
                     raise RecipeError(f"split '{empty.group(1)}' is empty (in {path})") from None
-                raise RecipeError(f"no dataset found in folder {path}: {str(err).splitlines()[0]}") from None
+                raise RecipeError(f"no dataset found in folder {path}: {first_line(err)}") from None
         return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+    if written_as_path(name):
         raise RecipeError(f"dataset path not found: {name}")
     try:
         return datasets.load_dataset(name, config_name, cache_dir=cache_dir)
     except datasets.exceptions.DatasetNotFoundError:
         raise RecipeError(f"dataset '{name}' is neither a local path nor a dataset on the Hub ({HUB_HINT})") from None
     except Exception as err:  # network failures come in many types (httpx, requests, OSError, offline mode)
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise RecipeError(f"could not load '{name}' from the Hugging Face Hub ({first}); {HUB_HINT}") from None
+        raise RecipeError(
+            f"could not load '{name}' from the Hugging Face Hub ({first_line(err)}); {HUB_HINT}"
+        ) from None
 
 
 def find_column(features: datasets.Features, requested: str | None, preset: str | None, kind: str) -> str:
@@ -211,7 +213,7 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
             dataset_dict = dataset_dict.cast_column(image_column, datasets.Image(decode=False))
         except (TypeError, ValueError, pa.ArrowException) as err:
             raise RecipeError(
-                f"column '{image_column}' does not hold images ({features[image_column]}): {str(err).splitlines()[0]}"
+                f"column '{image_column}' does not hold images ({features[image_column]}): {first_line(err)}"
             ) from None
     dataset_dict, names, source_kind = encode_labels(dataset_dict, label_column)
 

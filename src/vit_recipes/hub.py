@@ -21,6 +21,12 @@ OFFLINE_HINT = (
     "HF_HUB_OFFLINE=1, or try `make demo`, which needs no network"
 )
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{20,}")
+_NETWORK_WORDS = ("offline", "couldn't connect", "could not connect", "name resolution", "connection", "timed out")
+
+
+def written_as_path(name: str) -> bool:
+    """A name meant as a local path (./x, /x, ~/x, a/b/c), never a Hub id (`owner/name`)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
 def offline_env() -> bool:
@@ -31,10 +37,9 @@ def offline_env() -> bool:
 
 
 def _current_token() -> str | None:
-    try:
+    with contextlib.suppress(Exception):  # e.g. a failed OIDC exchange: "no token", the caller says what to do
         return huggingface_hub.get_token()
-    except Exception:  # e.g. a failed OIDC exchange: treat as "no token", the caller says what to do
-        return None
+    return None
 
 
 def check_push_ready(training_args) -> None:
@@ -52,15 +57,6 @@ def check_push_ready(training_args) -> None:
         )
 
 
-def _causes(err: BaseException):
-    """The exception and what it wraps (transformers re-raises Hub errors as OSError `from` the original)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
-
-
 def _network_error_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [OfflineModeIsEnabled, LocalEntryNotFoundError, ConnectionError, TimeoutError]
     with contextlib.suppress(ImportError):  # huggingface_hub >= 1.0 talks through httpx
@@ -74,9 +70,6 @@ def _network_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-_NETWORK_WORDS = ("offline", "couldn't connect", "could not connect", "name resolution", "connection", "timed out")
-
-
 def _first_line(err: BaseException) -> str:
     text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
     text = f"{type(err).__name__}: {text}" if text else type(err).__name__
@@ -85,12 +78,12 @@ def _first_line(err: BaseException) -> str:
 
 def hub_error_message(err: Exception, what: str, local_path: str | None = None) -> str:
     """One line for a failed Hub call (push or download); `local_path` names where the run's files are."""
-    chain = list(_causes(err))
+    chain = [err]  # and what it wraps: transformers re-raises Hub errors as OSError `from` the original
+    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and all(inner is not e for e in chain):
+        chain.append(inner)
     network = _network_error_types()
-    offline = (
-        offline_env()
-        or any(isinstance(e, network) for e in chain)
-        or any(word in str(e).lower() for e in chain for word in _NETWORK_WORDS)
+    offline = offline_env() or any(
+        isinstance(e, network) or any(word in str(e).lower() for word in _NETWORK_WORDS) for e in chain
     )
     cause = _first_line(err)
     files = f"the run's files are in {local_path}; " if local_path else ""

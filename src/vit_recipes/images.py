@@ -50,18 +50,6 @@ def to_rgb(image: Image.Image, white: float | None = None) -> Image.Image:
     return image.convert("RGB")
 
 
-def fit(image: Image.Image, height: int, width: int) -> Image.Image:
-    """Resize so the image covers height x width (bicubic, antialiased), then centre-crop to exactly that."""
-    w, h = image.size
-    if (w, h) == (width, height):
-        return image
-    scale = max(height / h, width / w)
-    new_w, new_h = max(width, round(w * scale)), max(height, round(h * scale))
-    image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    left, top = (new_w - width) // 2, (new_h - height) // 2
-    return image.crop((left, top, left + width, top + height))
-
-
 def decode_to_chw(value, height: int, width: int, white: float | None = None) -> tuple[np.ndarray, bool]:
     """Decode a datasets Image value, bytes or path, convert to RGB and fit: a (3, height, width) uint8 array, and
     whether the image had another size."""
@@ -69,7 +57,9 @@ def decode_to_chw(value, height: int, width: int, white: float | None = None) ->
     image.load()  # decode now, so a truncated file fails here and not in a worker later
     image = to_rgb(image, white)
     resized = image.size != (width, height)
-    array = np.asarray(fit(image, height, width), dtype=np.uint8)
+    if resized:  # cover height x width, then centre-crop (bicubic, antialiased)
+        image = ImageOps.fit(image, (width, height), Image.Resampling.BICUBIC)
+    array = np.asarray(image, dtype=np.uint8)
     return np.ascontiguousarray(array.transpose(2, 0, 1)), resized
 
 

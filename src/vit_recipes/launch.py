@@ -17,17 +17,14 @@ SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer_"  # DeepSpeed's shm co
 
 
 def is_true(value) -> bool:
-    """How launchers and users spell a true flag or environment variable ("1", "true", "yes", "on")."""
+    """How launchers and users spell a true flag or environment variable."""
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
 def env_int(*names: str, default: int = 1) -> int:
-    """The first of these environment variables that holds a whole number (launchers set them), else `default`."""
-    for name in names:
-        value = os.environ.get(name, "")
-        if value.strip().isdigit():
-            return int(value)
-    return default
+    """The first of these environment variables that holds a whole number, else `default`."""
+    values = (os.environ.get(name, "").strip() for name in names)
+    return next((int(value) for value in values if value.isdigit()), default)
 
 
 def visible_gpus() -> int:
@@ -42,8 +39,7 @@ def check_processes(use_cpu: bool) -> None:
     local = env_int("LOCAL_WORLD_SIZE", default=world)
     if world <= 1 or use_cpu or is_true(os.environ.get("ACCELERATE_USE_CPU")):
         return
-    gpus = visible_gpus()
-    if gpus == 0:
+    if (gpus := visible_gpus()) == 0:
         raise RecipeError(
             f"{world} processes were launched but this machine has no GPU: each would train alone on the CPU. "
             "Pass --use_cpu true to train on CPU processes (gloo), or launch on a machine with GPUs"
@@ -63,8 +59,7 @@ def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:
         return []
     mapped: set[str] = set()
     for maps in glob.glob("/proc/[0-9]*/maps"):
-        # Processes come and go, and others' maps may be unreadable.
-        with contextlib.suppress(OSError), open(maps) as f:
+        with contextlib.suppress(OSError), open(maps) as f:  # processes come and go; others' maps may be unreadable
             mapped.update(line.split()[-1] for line in f if SHM_BUFFER_PREFIX in line)
     removed = []
     for path in buffers:
@@ -102,12 +97,11 @@ def bind_deepspeed_comm() -> None:
     before the Trainer starts DeepSpeed, counts a world size of 1 on CPU processes and fails its batch-size check."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    import deepspeed.comm
+    if dist.is_available() and dist.is_initialized():
+        import deepspeed.comm
 
-    if not deepspeed.comm.is_initialized():
-        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        if not deepspeed.comm.is_initialized():
+            deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
 def shutdown() -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .arguments import LoraArguments
-from .errors import RecipeError
+from .errors import RecipeError, first_line
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -155,7 +155,7 @@ def apply_lora(model: nn.Module, lora_args: LoraArguments, training_args=None):
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=not zero3)
     except ValueError as err:  # peft rejects a module type it cannot adapt
-        raise RecipeError(f"--use_peft: peft cannot adapt {', '.join(targets)}: {str(err).splitlines()[0]}") from None
+        raise RecipeError(f"--use_peft: peft cannot adapt {', '.join(targets)}: {first_line(err)}") from None
     if training_args is not None and getattr(training_args, "gradient_checkpointing", False):
         # Reentrant checkpointing needs an input that requires grad, else "no parameters require grad"; cheap either way.
         unwrap(peft_model).enable_input_require_grads()

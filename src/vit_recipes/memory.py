@@ -9,40 +9,32 @@ from __future__ import annotations
 
 import os
 
-from .errors import RecipeError
-from .hub import offline_env
+from .errors import RecipeError, first_line
+from .hub import offline_env, written_as_path
 
 GIB = 2**30
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for host memory, also used for FSDP2's offload
 
 
 def load_config(name: str, cache_dir: str | None = None, revision: str = "main"):
-    """The model's config: a bare model type, a local folder/file, or a Hub id (from the cache first)."""
+    """The config of a model: a bare model type ("vit"), a local folder, or a Hub id (the cache first, as transformers
+    does). One line on failure, naming the offline case."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    if name in CONFIG_MAPPING_NAMES:  # a bare model type, e.g. "vit": its default config
+    if name in CONFIG_MAPPING_NAMES:
         return AutoConfig.for_model(name)
-    if os.path.exists(os.path.expanduser(name)):
-        try:
-            return AutoConfig.from_pretrained(os.path.expanduser(name))
-        except (OSError, ValueError) as err:
-            raise RecipeError(f"cannot read a model config in {name}: {str(err).splitlines()[0]}") from None
     try:
-        return AutoConfig.from_pretrained(name, cache_dir=cache_dir, revision=revision, local_files_only=True)
-    except (OSError, ValueError):
-        pass
-    if offline_env():
-        raise RecipeError(
-            f"'{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: pass a local folder with "
-            "config.json (--model ./checkpoint), or run once online"
-        )
-    try:
-        return AutoConfig.from_pretrained(name, cache_dir=cache_dir, revision=revision)
+        return AutoConfig.from_pretrained(os.path.expanduser(name), cache_dir=cache_dir, revision=revision)
     except (OSError, ValueError) as err:
+        if offline_env() and not written_as_path(name):
+            raise RecipeError(
+                f"'{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: pass a local checkpoint "
+                "folder, or unset HF_HUB_OFFLINE"
+            ) from None
         raise RecipeError(
-            f"cannot read the config of '{name}': not in the local cache and the Hub call failed "
-            f"({str(err).splitlines()[0]}); pass a local folder with config.json"
+            f"cannot load model '{name}': {first_line(err)} (a local checkpoint folder or Hub id; offline, "
+            "use a local path or --config_name to train from scratch)"
         ) from None
 
 

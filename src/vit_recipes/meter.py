@@ -14,6 +14,7 @@ saving, an epoch start or a profiler export are dropped. From the same intervals
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -30,17 +31,6 @@ class _Totals:
     data_seconds: float = 0.0
 
 
-def _peak_rss_gib() -> float | None:
-    try:
-        import resource
-        import sys
-
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB  # bytes on macOS, KiB on Linux
-    except (ImportError, OSError):
-        return None
-
-
 def _gather_per_rank(values: list[float], device) -> list[list[float]]:
     """All ranks' `values` (rank order). Every rank must call this at the same point (it is a collective)."""
     dist = torch.distributed
@@ -55,17 +45,12 @@ def _gather_per_rank(values: list[float], device) -> list[list[float]]:
 class SpeedMeter(TrainerCallback):
     """Speed and memory of training steps (see the module docstring)."""
 
-    def __init__(
-        self,
-        images_per_step: int,
-        flops_per_image: float | None = None,
-        peak_flops: float | None = None,
-        warmup_steps: int = 5,
-    ):
+    warmup_steps = 5  # left out of the run's figures (compilation, allocator warm-up)
+
+    def __init__(self, images_per_step: int, flops_per_image: float | None = None, peak_flops: float | None = None):
         self.images_per_step = images_per_step  # the plan's global batch
         self.flops_per_image = flops_per_image
         self.peak_flops = peak_flops  # of all GPUs together
-        self.warmup_steps = warmup_steps  # left out of the run's figures (compilation, allocator warm-up)
         self.window = _Totals()  # since the previous log
         self.run = _Totals()  # after warm-up
         self._pending_data = 0.0
@@ -80,16 +65,12 @@ class SpeedMeter(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
         if self._last is not None:
-            interval = (now - self._last, self._pending_data)
-            totals = [self.window]
-            if getattr(state, "global_step", 0) > self.warmup_steps:
-                totals.append(self.run)
-            for t in totals:
+            after_warmup = getattr(state, "global_step", 0) > self.warmup_steps
+            for t in (self.window, self.run) if after_warmup else (self.window,):
                 t.steps += 1
-                t.seconds += interval[0]
-                t.data_seconds += interval[1]
-        self._pending_data = 0.0
-        self._last = now
+                t.seconds += now - self._last
+                t.data_seconds += self._pending_data
+        self._last, self._pending_data = now, 0.0
 
     def pause(self, *args, **kwargs) -> None:
         self._last = None  # the next interval would include evaluation, saving or a profiler export
@@ -119,15 +100,17 @@ class SpeedMeter(TrainerCallback):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             names = ("gpu_mem_allocated_gib", "gpu_mem_reserved_gib", "gpu_mem_peak_gib")
             local = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()]
-            local = [v / GIB for v in local]
         else:
-            rss = _peak_rss_gib()
-            if rss is None:
+            try:
+                import resource  # not on Windows
+
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB on Linux
+            except (ImportError, OSError):
                 return {}
-            names, local = ("cpu_peak_rss_gib",), [rss]
+            names, local = ("cpu_peak_rss_gib",), [rss if sys.platform == "darwin" else rss * 1024]
         out = {}
         for rank, values in enumerate(_gather_per_rank(local, device)):
-            out.update({f"{name}_rank{rank}": round(value, 4) for name, value in zip(names, values)})
+            out.update({f"{name}_rank{rank}": round(value / GIB, 4) for name, value in zip(names, values)})
         return out
 
     def extend_logs(self, logs: dict, args, state) -> dict[str, float]:
@@ -137,23 +120,16 @@ class SpeedMeter(TrainerCallback):
         digits = {"images_per_second": 3, "step_time_s": 6, "data_wait_fraction": 5, "mfu": 5}
         out = {k: round(v, digits[k]) for k, v in self._figures(self.window).items()}
         self.window = _Totals()
-        out.update(self.memory(args.device))
-        return out
+        return {**out, **self.memory(args.device)}
 
     def metrics(self) -> dict[str, float]:
         """The run's steady-state figures, for the train metrics."""
         figures = self._figures(self.run)
-        out = {}
+        digits = {"images_per_second": 2, "step_time_s": 5, "data_wait_fraction": 5, "mfu": 4}
+        out = {f"train_{k}": round(v, digits[k]) for k, v in figures.items()}
         if figures:
-            out = {
-                "train_images_per_second": round(figures["images_per_second"], 2),
-                "train_step_time_s": round(figures["step_time_s"], 5),
-                "train_time_20_steps_s": round(20 * figures["step_time_s"], 3),
-                "train_data_wait_fraction": round(figures["data_wait_fraction"], 5),
-            }
-            if "mfu" in figures:
-                out["train_mfu"] = round(figures["mfu"], 4)
+            out["train_time_20_steps_s"] = round(20 * figures["step_time_s"], 3)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            out["train_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-            out["train_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+            out["train_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+            out["train_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
         return out

@@ -14,16 +14,15 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 from torch import nn
-from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification, PretrainedConfig
+from transformers import AutoImageProcessor, AutoModelForImageClassification, PretrainedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
 )
 
 from .arguments import LoraArguments, ModelArguments
-from .errors import RecipeError
+from .errors import RecipeError, first_line
 from .lora import (
     adapter_base,
     apply_lora,
@@ -34,6 +33,7 @@ from .lora import (
     is_adapter_dir,
     unwrap,
 )
+from .memory import load_config
 from .patch_embedding import use_patch_matmul
 
 try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way
@@ -48,23 +48,9 @@ DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)  # ViT's own normalisation
 
 def _load_config(model_args) -> tuple[PretrainedConfig, bool]:
     """The config to build from, and whether weights come from a checkpoint."""
-    source = model_args.model_name_or_path
-    if source:
-        try:
-            config = AutoConfig.from_pretrained(
-                source, revision=model_args.model_revision, cache_dir=model_args.cache_dir
-            )
-        except (OSError, ValueError) as err:
-            raise RecipeError(
-                f"cannot load model '{source}': {str(err).splitlines()[0]} (a local checkpoint folder "
-                "or Hub id; offline, use a local path or --config_name to train from scratch)"
-            ) from None
-        return config, True
-    name = model_args.config_name
-    try:
-        config = AutoConfig.for_model(name) if name in CONFIG_MAPPING_NAMES else AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as err:
-        raise RecipeError(f"cannot load config '{name}': {str(err).splitlines()[0]}") from None
+    if model_args.model_name_or_path:
+        return load_config(model_args.model_name_or_path, model_args.cache_dir, model_args.model_revision), True
+    config = load_config(model_args.config_name)
     if model_args.config_overrides:
         try:
             config.update_from_string(model_args.config_overrides)
@@ -130,7 +116,7 @@ def build_model(model_args, label_names: list[str]):
                 f"loaded as plain weights: {fix}"
             ) from None
         except (OSError, SafetensorError) as err:  # a truncated or corrupt weight file
-            raise RecipeError(f"cannot read the weights of '{source}': {str(err).splitlines()[0]}") from None
+            raise RecipeError(f"cannot read the weights of '{source}': {first_line(err)}") from None
     else:
         model = AutoModelForImageClassification.from_config(**kwargs)
         millions = sum(p.numel() for p in model.parameters()) / 1e6

@@ -88,11 +88,9 @@ class ProfilerCallback(TrainerCallback):
             if state.global_step == self.start_after:
                 self._start(args)
             elif state.global_step > self.start_after:
+                first, last, step = self.first, self.last, state.global_step + 1
                 logger.warning(
-                    "profile_steps %d-%d: training starts at step %d, after the window; nothing is profiled.",
-                    self.first,
-                    self.last,
-                    state.global_step + 1,
+                    f"profile_steps {first}-{last}: training starts at step {step}, after the window; nothing is profiled."
                 )
                 self.done = True
 

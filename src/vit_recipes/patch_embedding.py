@@ -1,11 +1,9 @@
 """The patch embedding as one matmul (`--patch_embedding_matmul`, on by default).
 
-ViT's patch embedding is a Conv2d whose kernel equals its stride: each output is a dot product of one
-non-overlapping patch with the filter. Flattening the patches and multiplying by the flattened filter computes the
-same sums as one GEMM, which GPUs run far faster than cuDNN's strided convolution (ViT-B/16, batch 512, bf16, one
-H200, forward + backward: 6.8 ms as a convolution, 1.7 ms as a matmul; +2.5% img/s end to end, same losses:
-benchmarks/results/h200_kernels and h200_patch_matmul). The module keeps its class's parameters and state-dict
-keys, so checkpoints, LoRA, DeepSpeed and FSDP see no difference.
+ViT's patch embedding is a Conv2d whose kernel equals its stride: flattening the non-overlapping patches and
+multiplying by the flattened filter computes the same sums as one GEMM, which GPUs run far faster than the strided
+convolution (docs/benchmarks.md). The module keeps its class's parameters and state-dict keys, so checkpoints, LoRA,
+DeepSpeed and FSDP see no difference.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 from . import strategies
 from .arguments import RunArguments, run_config
 from .checks import check_plan, config_value
-from .errors import RecipeError
+from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
 from .lora import is_adapter_dir
 from .run_dir import OutputState, remove_checkpoints, resolve_output_dir
@@ -37,7 +37,7 @@ def load_deepspeed_config(value) -> tuple[dict, str]:
             raise RecipeError(f"DeepSpeed config file not found: {text} (paths are relative to where you launch)")
         return json.loads(base64.urlsafe_b64decode(text).decode()), "the DeepSpeed config"
     except (ValueError, UnicodeDecodeError) as err:
-        raise RecipeError(f"{text} is not valid DeepSpeed JSON: {str(err).splitlines()[0]}") from None
+        raise RecipeError(f"{text} is not valid DeepSpeed JSON: {first_line(err)}") from None
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,24 @@ def _grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[Figure,
     return fig, axes
 
 
+def _finish(ax, title: str, amount: bool = False) -> None:
+    """Title, step axis and grid; an amount (images/s, seconds, GiB, a fraction) is drawn from zero, so a small
+    change does not look like a cliff."""
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if amount:
+        ax.set_ylim(bottom=0)
+
+
 def _save(fig: Figure, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path)
     return path
+
+
+def _marker(steps: list) -> str | None:
+    return "o" if len(steps) < 30 else None  # few points: each one visible
 
 
 def training_entries(history: list[dict]) -> list[dict]:
@@ -56,17 +70,13 @@ def eval_metric_names(history: list[dict]) -> list[str]:
     names = []
     for entry in history:
         for key, value in entry.items():
-            if (
-                key.startswith("eval_")
-                and isinstance(value, (int, float))
-                and not key.endswith(_EVAL_BOOKKEEPING)
-                and key not in names
-            ):
+            bookkeeping = key.endswith(_EVAL_BOOKKEEPING) or not isinstance(value, (int, float))
+            if key.startswith("eval_") and not bookkeeping and key not in names:
                 names.append(key)
     return names
 
 
-def plot_training_curves(history: list[dict], path: str) -> str | None:
+def plot_training_curves(history: list[dict], path: str, label_smoothing: float = 0.0) -> str | None:
     train = training_entries(history)
     if not train:
         return None
@@ -76,15 +86,14 @@ def plot_training_curves(history: list[dict], path: str) -> str | None:
     fig, axes = _grid(len(panels))
     for ax, (key, title) in zip(axes, panels):
         steps, values = _series(train, key)
-        ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=f"train {key}")
+        smoothed = f", label smoothing {label_smoothing:g}" if key == "loss" and label_smoothing else ""
+        ax.plot(steps, values, marker=_marker(steps), label=f"train {key}{smoothed}")
         if key == "loss":
             eval_steps, eval_values = _series(history, "eval_loss")
             if eval_steps:
-                ax.plot(eval_steps, eval_values, marker="o", label="validation loss")
+                ax.plot(eval_steps, eval_values, marker="o", label="validation loss (no smoothing)")
             ax.legend()
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
+        _finish(ax, title, amount=True)
     return _save(fig, path)
 
 
@@ -96,9 +105,7 @@ def plot_validation_metrics(history: list[dict], path: str) -> str | None:
     for ax, name in zip(axes, names):
         steps, values = _series(history, name)
         ax.plot(steps, values, marker="o")
-        ax.set_title(name.removeprefix("eval_"))
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
+        _finish(ax, name.removeprefix("eval_"))
     return _save(fig, path)
 
 
@@ -114,31 +121,27 @@ def plot_throughput(history: list[dict], path: str) -> str | None:
     if any("mfu" in e for e in train):
         panels.append(("MFU", ["mfu"]))
     per_rank: dict[str, list[str]] = {}
-    for entry in train:
-        for key in entry:
-            match = _RANK_KEY.match(key)
-            if match and key not in per_rank.setdefault(match["name"], []):
-                per_rank[match["name"]].append(key)
+    for key in dict.fromkeys(k for entry in train for k in entry):
+        if match := _RANK_KEY.match(key):
+            per_rank.setdefault(match["name"], []).append(key)
     for name, keys in per_rank.items():
         panels.append((f"{name} per rank", sorted(keys, key=lambda k: int(_RANK_KEY.match(k)["rank"]))))
     fig, axes = _grid(len(panels))
     for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             steps, values = _series(train, key)
-            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=key)
+            ax.plot(steps, values, marker=_marker(steps), label=key)
         if len(keys) > 1:
             ax.legend(fontsize=7)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
+        _finish(ax, title, amount=True)
     return _save(fig, path)
 
 
-def write_plots(log_history: list[dict], output_dir: str) -> dict[str, str]:
+def write_plots(log_history: list[dict], output_dir: str, label_smoothing: float = 0.0) -> dict[str, str]:
     """Write the plots that the history has data for; return {name: path}."""
     os.makedirs(output_dir, exist_ok=True)
     jobs = [
-        ("training_curves", plot_training_curves),
+        ("training_curves", lambda history, path: plot_training_curves(history, path, label_smoothing)),
         ("validation_metrics", plot_validation_metrics),
         ("throughput", plot_throughput),
     ]

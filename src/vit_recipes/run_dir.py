@@ -36,10 +36,9 @@ class OutputState:
 
 def checkpoints(folder: str | os.PathLike) -> list[Path]:
     """`checkpoint-N` folders in `folder`, newest (highest step) first."""
-    folder = Path(folder)
-    if not folder.is_dir():
+    if not os.path.isdir(folder):
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := CHECKPOINT.match(p.name))]
+    found = [(int(m.group(1)), p) for p in Path(folder).iterdir() if p.is_dir() and (m := CHECKPOINT.match(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -68,12 +67,9 @@ def _differences(saved: dict, now: dict) -> list[str]:
 
 
 def resolve_output_dir(training_args, run: dict) -> OutputState:
-    """What the output directory holds for this run: nothing, this run to resume, or something to refuse."""
     if not training_args.do_train:
         return OutputState("fresh")
-    out = Path(training_args.output_dir)
-    explicit = training_args.resume_from_checkpoint
-    if explicit:
+    if explicit := training_args.resume_from_checkpoint:
         # --resume_from_checkpoint resumes whichever run wrote it ("resume anyway"); it must be complete.
         if not (Path(explicit) / TRAINER_STATE).is_file():
             return OutputState(
@@ -85,6 +81,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
         if record.is_file() and (changed := _differences(json.loads(record.read_text()), run)):
             logger.warning("Resuming %s, written by another run (%s), as asked", explicit, "; ".join(changed))
         return OutputState("resume", explicit)
+    out = Path(training_args.output_dir)
     if not out.is_dir() or not any(out.iterdir()):
         return OutputState("fresh")
     if training_args.overwrite_output_dir:
@@ -100,8 +97,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
         )
     found = checkpoints(out)
     complete = next((c for c in found if (c / CHECKPOINT_RECORD).is_file()), None)
-    skipped = [c.name for c in found[: found.index(complete) if complete else len(found)]]
-    if skipped:
+    if skipped := [c.name for c in found[: found.index(complete) if complete else len(found)]]:
         logger.warning(
             "Skipping %s in %s: no %s, so the save did not finish (or predates this record; pass "
             "--resume_from_checkpoint to use one anyway)",
@@ -139,7 +135,6 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
 
 
 def remove_checkpoints(paths: tuple[str, ...]) -> None:
-    """Remove a previous run's checkpoint folders (--overwrite_output_dir), naming each."""
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
         logger.warning("--overwrite_output_dir: removed the previous run's %s", path)

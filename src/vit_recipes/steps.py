@@ -29,7 +29,7 @@ from .data import (
     storage_format,
     write_skipped,
 )
-from .errors import RecipeError
+from .errors import RecipeError, first_line
 from .flops import peak_flops, training_flops_per_image
 from .hub import hub_error_message
 from .memory import load_config
@@ -71,12 +71,9 @@ def load_data(args: RunArguments) -> ImageSplits:
         return labels_of_model(args.model.model_name_or_path, config)
     training = args.training
     splits = load_splits(args.data, training.seed, args.model.cache_dir, need_train=training.do_train)
+    sizes = ", ".join(f"{n} {len(d)}" for n, d in splits.present().items())
     logger.info(
-        "Dataset %s: %d classes (%s); %s",
-        args.data.dataset_name,
-        len(splits.label_names),
-        splits.label_source,
-        ", ".join(f"{n} {len(d)}" for n, d in splits.present().items()),
+        f"Dataset {args.data.dataset_name}: {len(splits.label_names)} classes ({splits.label_source}); {sizes}"
     )
     return splits
 
@@ -91,7 +88,7 @@ def _meter(plan: RunPlan, model, args: RunArguments, method: str) -> SpeedMeter:
         try:
             flops = training_flops_per_image(model.config, args.training.gradient_checkpointing, method)
         except Exception as err:  # noqa: BLE001 - a model the meta-device count cannot run: no MFU, say why
-            logger.info("No MFU: counting this model's FLOPs failed (%s)", str(err).splitlines()[0][:200])
+            logger.info("No MFU: counting this model's FLOPs failed (%s)", first_line(err, 200))
     return SpeedMeter(plan.global_batch, flops, peak * plan.strategy.world_size if peak else None)
 
 
@@ -188,7 +185,7 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, p
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
         reports = write_reports(logits, output.label_ids, splits.label_names, output_dir, split=split)
     if plots:
-        write_plots(trainer.state.log_history, output_dir)
+        write_plots(trainer.state.log_history, output_dir, trainer.args.label_smoothing_factor)
     return reports
 
 
@@ -235,9 +232,8 @@ def summary(results: dict, output_dir: str, reports: dict) -> None:
     phases = {k[5:-2]: v for k, v in results.items() if k.startswith("time_") and k != "time_total_s"}
     if phases:  # where the wall time went (time_<phase>_s in all_results.json)
         lines.append("wall time: " + ", ".join(f"{p} {v:.1f}s" for p, v in phases.items() if v >= 0.05))
-    rule = "=" * 60
-    print(f"\n{rule}")
-    print("\n".join([*lines, f"model, card (README.md) and metrics: {output_dir}"]))
+    trained = any(k.startswith(("train_", "eval_", "test_")) for k in results)
+    lines.append(f"{'model, card (README.md) and metrics' if trained else 'predictions.csv'}: {output_dir}")
     if reports:
-        print(f"confusion matrix: {reports['confusion_matrix']}")
-    print(rule)
+        lines.append(f"confusion matrix: {reports['confusion_matrix']}")
+    print("\n".join(["", "=" * 60, *lines, "=" * 60]))

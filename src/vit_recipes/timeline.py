@@ -10,22 +10,14 @@ from __future__ import annotations
 import logging
 import time
 
+import psutil
+
 logger = logging.getLogger(__name__)
-
-
-def process_start() -> float:
-    """When this process started (epoch seconds), so imports before main() are counted too."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:  # noqa: BLE001 - no psutil or no /proc: count from the first mark instead
-        return time.time()
 
 
 class Timeline:
     def __init__(self) -> None:
-        self._last = process_start()
+        self._last = psutil.Process().create_time()  # so the imports before main() are counted too
         self.phases: dict[str, float] = {}
 
     def mark(self, phase: str) -> None:

@@ -15,7 +15,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 
 from .adapters import without_activation_wrappers
 from .card import write_model_card
-from .errors import RecipeError
+from .errors import RecipeError, first_line
 from .run_dir import mark_complete, write_loss_record
 
 
@@ -69,21 +69,16 @@ class ImageClassificationTrainer(Trainer):
         total = torch.as_tensor(self.loss_sum, dtype=torch.float32, device=self.args.device)
         return float(self.accelerator.reduce(total, reduction="mean"))
 
-    def release_dataloaders(self) -> int:
+    def release_dataloaders(self) -> None:
         """Stop every DataLoader's worker processes now (the Trainer and accelerate keep persistent workers alive
-        until the interpreter exits, whose teardown is far slower); returns how many pools were stopped."""
+        until the interpreter exits, whose teardown is far slower)."""
         loaders = list(getattr(self.accelerator, "_dataloaders", []))
         loaders += list((getattr(self, "_eval_dataloaders", None) or {}).values())
-        stopped = 0
         for loader in loaders:
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
+            if hasattr(getattr(loader, "_iterator", None), "_shutdown_workers"):
+                loader._iterator._shutdown_workers()
                 loader._iterator = None
-                stopped += 1
-        if hasattr(self, "_eval_dataloaders"):
-            self._eval_dataloaders = {}
-        return stopped
+        self._eval_dataloaders = {}
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         start = time.perf_counter()
@@ -149,7 +144,7 @@ class ImageClassificationTrainer(Trainer):
         except Exception as err:  # a full disk surfaces as OSError, RuntimeError (torch.save) or SafetensorError
             free = shutil.disk_usage(self.args.output_dir).free / 2**30
             raise RecipeError(
-                f"writing {folder} failed ({_first_line(err)}; {free:.1f} GiB free there): the last complete "
+                f"writing {folder} failed ({first_line(err)}; {free:.1f} GiB free there): the last complete "
                 "checkpoint is kept, and the same command resumes from it once the cause is fixed"
             ) from err
         # Every rank's files are on disk before the record that makes the checkpoint complete (run_dir.py): a crash
@@ -165,7 +160,7 @@ class ImageClassificationTrainer(Trainer):
             self._load_weights(resume_from_checkpoint, model if model is not None else self.model)
         except Exception as err:  # truncated or corrupt files: SafetensorError, UnpicklingError, OSError, ...
             raise RecipeError(
-                f"cannot read the weights of {resume_from_checkpoint} ({_first_line(err)}): delete that folder to "
+                f"cannot read the weights of {resume_from_checkpoint} ({first_line(err)}): delete that folder to "
                 "resume from the checkpoint before it, or pass --overwrite_output_dir to start over"
             ) from err
 
@@ -196,10 +191,6 @@ class ImageClassificationTrainer(Trainer):
         if _internal_call and output_dir is None and getattr(self, "keep_saved_model", False):
             return
         super().save_model(output_dir, _internal_call)
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 def _labelled(name, function):

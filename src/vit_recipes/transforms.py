@@ -81,8 +81,7 @@ def _centre_crop_size(height: int, width: int) -> tuple[float, float]:
 
 def affine_grid(theta: Tensor, size: int) -> Tensor:
     """`F.affine_grid(theta, (B, C, size, size), align_corners=False)` as a few elementwise passes over broadcast
-    rows and columns. affine_grid's batched matmul with an inner size of 3 runs poorly on GPUs (an fp32 bmm of 1.3 ms
-    per ViT-B/16 batch of 512 on an H200, a third of the augmentation)."""
+    rows and columns. affine_grid's batched matmul with an inner size of 3 runs poorly on GPUs (docs/benchmarks.md)."""
     coords = (torch.arange(size, device=theta.device, dtype=theta.dtype) * 2 + 1) / size - 1  # pixel centres
     xs, ys = coords.view(1, 1, size), coords.view(1, size, 1)
     t = theta.view(-1, 6, 1, 1).unbind(1)

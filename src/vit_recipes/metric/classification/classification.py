@@ -6,26 +6,11 @@ import evaluate
 import numpy as np
 
 _DESCRIPTION = """\
-Classification metrics computed from per-class scores (logits or probabilities):
-- accuracy: fraction of samples whose highest-scoring class is the reference class;
-- top{k}_accuracy: fraction of samples whose reference class is among the k = min(top_k, num_classes) highest scores;
-- f1_macro, precision_macro, recall_macro: unweighted means over the classes present in the references or the
-  predictions, as scikit-learn's `average="macro"` with `zero_division=0`.
-"""
-
-_KWARGS_DESCRIPTION = """
-Args:
-    predictions (`list` of `list` of `float`): per-class scores, one row of num_classes scores per sample.
-    references (`list` of `int`): reference class ids, in [0, num_classes).
-    top_k (`int`, defaults to 5): k of the top-k accuracy; the result key is f"top{top_k}_accuracy".
-Returns:
-    accuracy, top{top_k}_accuracy, f1_macro, precision_macro, recall_macro (`float`, in [0, 1]).
-Examples:
-    >>> metric = evaluate.load("path/to/metric/classification")
-    >>> metric.compute(predictions=[[0.1, 0.9], [0.8, 0.2]], references=[1, 1], top_k=1)
-    {'accuracy': 0.5, 'top1_accuracy': 0.5, 'f1_macro': 0.333..., 'precision_macro': 0.5, 'recall_macro': 0.25}
-"""
-
+accuracy; top{k}_accuracy (the reference among the k = min(top_k, num_classes) highest scores); f1_macro,
+precision_macro, recall_macro (unweighted means over the classes in references or predictions: scikit-learn's
+average="macro", zero_division=0), from per-class scores (logits or probabilities)."""
+_KWARGS_DESCRIPTION = """predictions: one row of num_classes scores per sample; references: class ids in
+[0, num_classes); top_k (default 5): the k of top{top_k}_accuracy. Returns those five floats in [0, 1]."""
 _CITATION = "Pedregosa et al., Scikit-learn: Machine Learning in Python, JMLR 12, pp. 2825-2830, 2011."
 
 
