@@ -1,5 +1,6 @@
 import io
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
 from PIL import Image as PILImage
 
 from vit_recipes import data as data_module
+from vit_recipes.arguments import DataArguments
 from vit_recipes.data import PixelCollator, decode_splits, load_image_folder, load_splits, storage_format
 from vit_recipes.errors import RecipeError
 
@@ -347,6 +349,16 @@ def test_the_validation_carve_and_sample_caps_are_logged_and_noted(tmp_path, cap
         "train: a sample of 8 of its 16 images (seed 42, stratified)",
     ]
     assert "No validation split: carved 4 of 20 train images into one (seed 42, stratified)" in caplog.text
+
+
+def test_parallel_decode_equals_serial():
+    """Every core decodes by default (--preprocessing_num_workers): the same bytes as one process."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) for _ in range(1200)]  # > 1,000: decoded in parallel
+    splits = data_module.ImageSplits(image_split(arrays), None, None, "image", ["a", "b"], "ClassLabel")
+    serial, parallel = decode_splits(splits, 8, num_proc=1), decode_splits(splits, 8, num_proc=2)
+    assert serial.train["pixels"] == parallel.train["pixels"] and len(parallel.train) == 1200
+    assert DataArguments().preprocessing_num_workers == os.cpu_count()
 
 
 def test_collator_delivers_uint8_batches(cifar_like):

@@ -86,7 +86,10 @@ class DataArguments:
         "Side of the square uint8 images the DataLoader delivers. Default: the native size when most images share one "
         "no larger than the model's, else image_size/0.875 (256 for 224).",
     )
-    preprocessing_num_workers: int | None = _arg(None, "Processes that decode images once into the on-disk cache.")
+    preprocessing_num_workers: int | None = field(
+        default_factory=os.cpu_count,
+        metadata={"help": "Processes decoding images once into the cache (default: all cores)."},
+    )
     predict_images: str | None = _arg(None, "--do_predict: a folder or one image to classify into predictions.csv.")
 
 

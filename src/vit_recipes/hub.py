@@ -14,7 +14,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
 )
 
-from .errors import RecipeError
+from .errors import RecipeError, first_line
 
 OFFLINE_HINT = (
     "to work offline pass local paths (--model_name_or_path ./checkpoint --dataset_name ./images) with "
@@ -70,12 +70,6 @@ def _network_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-def _first_line(err: BaseException) -> str:
-    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-    text = f"{type(err).__name__}: {text}" if text else type(err).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 def hub_error_message(err: Exception, what: str, local_path: str | None = None) -> str:
     """One line for a failed Hub call (push or download); `local_path` names where the run's files are."""
     chain = [err]  # and what it wraps: transformers re-raises Hub errors as OSError `from` the original
@@ -85,7 +79,7 @@ def hub_error_message(err: Exception, what: str, local_path: str | None = None) 
     offline = offline_env() or any(
         isinstance(e, network) or any(word in str(e).lower() for word in _NETWORK_WORDS) for e in chain
     )
-    cause = _first_line(err)
+    cause = f"{type(err).__name__}: {first_line(err, 200)}"
     files = f"the run's files are in {local_path}; " if local_path else ""
     if offline:
         message = f"could not reach the Hugging Face Hub to {what}: {cause}; {files}{OFFLINE_HINT}"
