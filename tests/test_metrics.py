@@ -119,3 +119,11 @@ def test_loads_by_path_without_network(monkeypatch, offline):
     compute_metrics = make_compute_metrics()
     result = compute_metrics(EvalPrediction(predictions=np.eye(3, dtype=np.float32), label_ids=np.array([0, 1, 1])))
     assert result["accuracy"] == pytest.approx(2 / 3)
+
+
+def test_top5_is_left_out_with_five_classes_or_fewer(metric):
+    compute = make_compute_metrics(metric)
+    few = compute(EvalPrediction(predictions=np.eye(4, dtype=np.float32), label_ids=np.array([0, 1, 2, 2])))
+    assert "top5_accuracy" not in few and few["accuracy"] == 0.75
+    many = compute(EvalPrediction(predictions=np.eye(6, dtype=np.float32), label_ids=np.arange(6)))
+    assert many["top5_accuracy"] == 1.0

@@ -7,6 +7,7 @@ import os
 import re
 
 import huggingface_hub
+import huggingface_hub.constants  # a submodule the package does not load lazily
 from huggingface_hub.errors import (
     GatedRepoError,
     LocalEntryNotFoundError,

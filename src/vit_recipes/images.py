@@ -26,10 +26,10 @@ HIGH_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 
 def white_level(peak: float) -> float:
-    """The white of the bit depth whose range holds `peak`: 1.0 for floats in 0..1, else 2**bits - 1 for the
+    """The white of the bit depth whose range holds `peak`: 1.0 for floats in (0, 1], else 2**bits - 1 for the
     smallest of 8, 10, 12, 14, 16 or 32 bits (so 12-bit data in a 16-bit file is scaled by its own range)."""
     if peak <= 1.0:
-        return 1.0
+        return 1.0 if peak > 0 else 255.0  # all black: nothing to scale
     return float(next((2**bits - 1 for bits in (8, 10, 12, 14, 16) if peak <= 2**bits - 1), 2**32 - 1))
 
 
