@@ -350,7 +350,8 @@ def check_hub(args) -> None:
                     "pass a local checkpoint folder (--model_name_or_path ./checkpoint) or unset HF_HUB_OFFLINE"
                 ) from None
             raise RecipeError(hub_error_message(err, f"download the model '{model.model_name_or_path}'")) from None
-    if _hub_id(dataset) and not offline_env():  # offline, datasets reads its cache
+    cached_only = offline_env() or is_true(os.environ.get("HF_DATASETS_OFFLINE"))  # datasets then reads its cache
+    if _hub_id(dataset) and not cached_only:
         try:
             huggingface_hub.HfApi().dataset_info(dataset, timeout=20)
         except RepositoryNotFoundError:  # data.load_any names it with the offline hint
