@@ -78,6 +78,7 @@ def test_missing_recipe(tmp_path):
         (["--validation_split_percentage", "1.5"], "validation_split_percentage"),
         (["--hflip_prob", "2"], "hflip_prob"),
         (["--auto_augment", "autoaug"], "auto_augment must be"),
+        (["--randaugment_magnitude", "31"], r"randaugment_magnitude must be in \[0, 30\]"),
         (["--model_name_or_path", ""], "--config_name to train from scratch"),
     ],
 )

@@ -439,6 +439,8 @@ def validate_arguments(args: RunArguments) -> None:
         raise RecipeError(f"hflip_prob must be in [0, 1], got {aug.hflip_prob}")
     if aug.auto_augment not in ("none", "randaugment", "trivialaugment"):
         raise RecipeError(f"auto_augment must be none, randaugment or trivialaugment, got {aug.auto_augment!r}")
+    if not (0 <= aug.randaugment_magnitude <= 30 and aug.randaugment_num_ops >= 1):  # torchvision's 31 bins
+        raise RecipeError("randaugment_magnitude must be in [0, 30] and randaugment_num_ops >= 1")
     if not (aug.mixup_alpha >= 0 and aug.cutmix_alpha >= 0):
         raise RecipeError("mixup_alpha and cutmix_alpha must be >= 0")
     if not 0 < aug.eval_crop_pct <= 1:

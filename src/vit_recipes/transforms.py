@@ -229,11 +229,7 @@ class RandomOps(nn.Module):
     """RandAugment (fixed magnitude bin, `num_ops` rounds) or TrivialAugmentWide (one op, uniform bin), per sample."""
 
     def __init__(self, policy: str, image_size: int, num_ops: int = 2, magnitude: int = 9):
-        super().__init__()
-        if policy not in ("randaugment", "trivialaugment"):
-            raise ValueError(f"unknown auto_augment policy {policy!r}")
-        if not 0 <= magnitude < NUM_MAGNITUDE_BINS:
-            raise ValueError(f"randaugment_magnitude must be in [0, {NUM_MAGNITUDE_BINS - 1}], got {magnitude}")
+        super().__init__()  # policy and magnitude are checked with the arguments (arguments.validate_arguments)
         space = augmentation_space(policy, image_size)
         self.names = list(space)
         self.uniform_magnitude = policy == "trivialaugment"
@@ -337,8 +333,6 @@ class MixupCutmix:
     Returns the mixed pixels and label-smoothed soft targets lam * onehot(y) + (1 - lam) * onehot(y.flip(0))."""
 
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, label_smoothing: float = 0.0):
-        if mixup_alpha <= 0 and cutmix_alpha <= 0:
-            raise ValueError("MixupCutmix needs mixup_alpha > 0 or cutmix_alpha > 0")
         self.mixup_alpha = float(mixup_alpha)
         self.cutmix_alpha = float(cutmix_alpha)
         self.num_classes = int(num_classes)
