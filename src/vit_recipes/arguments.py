@@ -112,6 +112,7 @@ class AugmentationArguments:
         "Fraction of patch tokens each training image drops at random (PatchDropout; timm's patch_drop_rate): "
         "shorter sequences, faster steps. Evaluation and prediction see every patch. 0 disables.",
     )
+    class_weights: str = _arg("none", "'balanced': weight the training loss by inverse class frequency in train.")
 
 
 @dataclass
@@ -445,6 +446,8 @@ def validate_arguments(args: RunArguments) -> None:
         raise RecipeError("mixup_alpha and cutmix_alpha must be >= 0")
     if not 0 < aug.eval_crop_pct <= 1:
         raise RecipeError(f"eval_crop_pct must be in (0, 1], got {aug.eval_crop_pct}")
+    if aug.class_weights not in ("none", "balanced"):
+        raise RecipeError(f"class_weights must be none or balanced, got {aug.class_weights!r}")
     if not 0 <= aug.patch_dropout < 1:
         raise RecipeError(f"patch_dropout must be in [0, 1), got {aug.patch_dropout}")
     if not 0 <= train.label_smoothing_factor < 1:

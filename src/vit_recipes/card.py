@@ -59,11 +59,6 @@ def _metric_spec(key: str) -> dict | None:
     return None
 
 
-def _metric_label(key: str) -> str:
-    spec = _metric_spec(key)
-    return spec["metric_name"] if spec else key.replace("_", " ").capitalize()
-
-
 def _strip(metrics: dict[str, float]) -> dict[str, float]:
     out = {}
     for key, value in (metrics or {}).items():
@@ -119,7 +114,8 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
 
     keys = list(dict.fromkeys([*validation, *test]))
     keys.sort(key=lambda k: (_metric_spec(k) is None, k == "loss"))  # known metrics first, loss last
-    rows = [(_metric_label(k), *(f"{m[k]:.4f}" if k in m else "-" for m in (validation, test))) for k in keys]
+    label = {k: spec["metric_name"] if (spec := _metric_spec(k)) else k.replace("_", " ").capitalize() for k in keys}
+    rows = [(label[k], *(f"{m[k]:.4f}" if k in m else "-" for m in (validation, test))) for k in keys]
     parts.append("## Results\n\n" + _table(("Metric", "Validation", "Test"), rows))
     if not test:
         parts.append("There is no test split: the model-index metadata reports the validation split.")
@@ -242,6 +238,7 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "precision": plan.precision,
         "gradient_checkpointing": training.gradient_checkpointing,
         "label_smoothing": training.label_smoothing_factor,
+        "class_weights": args.augment.class_weights,
         **{name: getattr(args.augment, name) for name in augment},
         "storage_size": "x".join(map(str, splits.storage_shape)),
         "seed": training.seed,

@@ -143,8 +143,9 @@ def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, 
             for split, array in values.items():  # pandas writes a missing label as NaN, which turns the column float
                 missing = np.flatnonzero(pc.fill_null(pc.is_nan(array), True).to_numpy(zero_copy_only=False))
                 if len(missing):
+                    rows = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
                     raise RecipeError(
-                        f"split '{split}' has {len(missing)} NaN or missing label(s) in '{column}' (rows {_rows(missing)}): "
+                        f"split '{split}' has {len(missing)} NaN or missing label(s) in '{column}' (rows {rows}): "
                         "drop or label those rows"
                     )
         if not any(is_type(label_type) for is_type in LABEL_TYPES):
@@ -409,11 +410,6 @@ def decode_split(
     return decoded.remove_columns("problem"), skipped
 
 
-def _rows(indices) -> str:
-    """The first ten row indices, for a message."""
-    return ", ".join(map(str, indices[:10])) + (", ..." if len(indices) > 10 else "")
-
-
 def decode_splits(
     splits: ImageSplits, image_size: int, storage_size: int | None = None, num_proc: int | None = None
 ) -> ImageSplits:
@@ -427,6 +423,13 @@ def decode_splits(
     train, validation, test = (decoded.get(name) for name in ("train", "validation", "test"))
     names, source = splits.label_names, splits.label_source
     return ImageSplits(train, validation, test, PIXELS, names, source, storage.shape, storage.white, skipped, notes)
+
+
+def balanced_weights(splits: ImageSplits) -> torch.Tensor:
+    """Inverse class frequency in train (scikit-learn's "balanced"): every class weighs the same in the loss."""
+    counts = np.bincount(splits.train[LABELS], minlength=len(splits.label_names))
+    logger.warning("--class_weights balanced: train has %d to %d images per class", counts.min(), counts.max())
+    return torch.tensor(counts.sum() / (len(counts) * np.maximum(counts, 1)), dtype=torch.float32)
 
 
 def write_skipped(splits: ImageSplits, output_dir: str) -> None:

@@ -22,6 +22,7 @@ from .data import (
     ImageSplits,
     PixelCollator,
     StorageFormat,
+    balanced_weights,
     decode_split,
     labels_of_model,
     load_image_folder,
@@ -98,6 +99,7 @@ def build_trainer(
     """The Trainer with device transforms, metrics, the speed meter, trackers and the profiler window."""
     training = args.training
     train_transform, eval_transform = build_transforms(args.augment, image_size, mean, std)
+    weights = balanced_weights(splits) if args.augment.class_weights == "balanced" and splits.train else None
     try:
         trainer = ImageClassificationTrainer(
             model=model,
@@ -109,6 +111,7 @@ def build_trainer(
             train_transform=train_transform,
             eval_transform=eval_transform,
             mixup=build_mixup(args.augment, len(splits.label_names), training.label_smoothing_factor),
+            class_weights=weights,
         )
     except Exception as err:
         if training.push_to_hub:  # the Trainer creates the Hub repository up front

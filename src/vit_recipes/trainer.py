@@ -37,8 +37,9 @@ class ImageClassificationTrainer(Trainer):
     device), our loss (label smoothing, or soft targets under mixup/cutmix), checkpoints that record their run and
     loss last, once complete (run_dir.py), resumes that never train past the last step, and our model card."""
 
-    def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, **kwargs):
+    def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, class_weights=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.class_weights = None if class_weights is None else class_weights.to(self.args.device)  # training loss
         self.train_transform = train_transform.to(self.args.device) if train_transform is not None else None
         self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
         self.mixup = mixup
@@ -47,15 +48,20 @@ class ImageClassificationTrainer(Trainer):
         # The sum of training_step losses since step 0, resumes included (the Trainer's own train_loss averages only
         # the steps after a resume): restored from a checkpoint's train_loss.json by steps.train.
         self.loss_sum = 0.0
-        # Which transform a batch gets: set by training_step / prediction_step, not read off self.model.training,
-        # because accelerate's regional compilation trains a copy of the top module and self.model stays in eval
-        # mode (seen: --torch_compile_regions trained on un-augmented images).
+        # Which transform a batch gets: set by training_step / prediction_step, not read off self.model.training:
+        # regional compilation trains a copy of the top module and self.model stays in eval mode.
         self._training_batch = False
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
         self.add_callback(_StopAtTheLastStep())
-        # Profiler regions (observability.py): data, augment, forward, backward here; optimizer_step there.
-        self.accelerator.backward = _labelled("backward", self.accelerator.backward)  # DeepSpeed: + optimizer step
+        # Profiler regions: data, augment, forward, backward (DeepSpeed's includes its optimizer step) here.
+        backward = self.accelerator.backward
+
+        def labelled_backward(*args, **kwargs):  # record_function costs about a microsecond unprofiled
+            with record_function("backward"):
+                return backward(*args, **kwargs)
+
+        self.accelerator.backward = labelled_backward
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         try:
@@ -129,10 +135,12 @@ class ImageClassificationTrainer(Trainer):
             outputs = model(**model_inputs)
             logits = outputs["logits"].float()
             if targets is not None:
-                loss = torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
+                weighted = targets if self.class_weights is None else targets * self.class_weights
+                loss = torch.sum(-weighted * F.log_softmax(logits, dim=-1), dim=-1).mean()
             elif labels is not None:
                 smoothing = self.args.label_smoothing_factor if model.training else 0.0
-                loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
+                weights = self.class_weights if model.training else None
+                loss = F.cross_entropy(logits, labels, weight=weights, label_smoothing=smoothing)
             else:
                 loss = logits.new_zeros(())
         return (loss, outputs) if return_outputs else loss
@@ -191,13 +199,3 @@ class ImageClassificationTrainer(Trainer):
         if _internal_call and output_dir is None and getattr(self, "keep_saved_model", False):
             return
         super().save_model(output_dir, _internal_call)
-
-
-def _labelled(name, function):
-    """`function` inside a profiler region called `name` (record_function costs about a microsecond unprofiled)."""
-
-    def wrapper(*args, **kwargs):
-        with record_function(name):
-            return function(*args, **kwargs)
-
-    return wrapper
