@@ -39,6 +39,7 @@ IMAGE_COLUMNS = ("image", "img", "images", "picture", "photo", "file", "path")
 LABEL_COLUMNS = ("label", "labels", "fine_label", "class", "category", "target", "y")
 VALIDATION_SPLITS = ("validation", "valid", "val", "dev")
 PIXELS, LABELS = "pixels", "labels"  # the two columns the DataLoader reads
+LABELS_FILE = "labels.json"  # next to a model: write_labels, labels_of_model
 LABEL_TYPES = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string, pa.types.is_boolean)
 HUB_HINT = "if you are offline, pass a local path (imagefolder, parquet/arrow or save_to_disk) or try `make demo`"
 
@@ -232,11 +233,16 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     return ImageSplits(train, validation, test, image_column, names, source_kind, notes=notes)
 
 
+def write_labels(splits: ImageSplits, output_dir: str) -> None:
+    """Label names, their source and how images were stored, next to the model (what `labels_of_model` reads)."""
+    labels = {"names": splits.label_names, "source": splits.label_source, "storage_shape": list(splits.storage_shape)}
+    Path(output_dir, LABELS_FILE).write_text(json.dumps({**labels, "white": splits.white}, indent=2))
+
+
 def labels_of_model(model_path: str | None, config) -> ImageSplits:
     """Predict-only runs (no dataset): the labels a model was trained with, and how its images were stored, from
-    the labels.json this script writes next to a model (else the config's id2label; storage is then decided from
-    the images to predict)."""
-    record = Path(model_path or "").expanduser() / "labels.json"
+    its labels.json (else the config's id2label; storage is then decided from the images to predict)."""
+    record = Path(model_path or "").expanduser() / LABELS_FILE
     if record.is_file():
         saved = json.loads(record.read_text())
         shape = tuple(saved["storage_shape"])
@@ -393,20 +399,17 @@ def decode_split(
             "Resized %d %s image(s) of another size to %dx%d, the common size", resized, name, width, height
         )
     bad = [i for i, problem in enumerate(problems) if problem not in ("", "resized")]
-    skipped = []
-    if bad:
-        for row, value in zip(bad, dataset.select(bad)[image_column]):
-            path = value.get("path") if isinstance(value, dict) else None
-            skipped.append({"row": row, "image": path, "problem": problems[row]})
-        named = ", ".join(f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in skipped[:10])
+    values = dataset.select(bad)[image_column] if bad else []
+    paths = [value.get("path") if isinstance(value, dict) else None for value in values]
+    skipped = [{"row": row, "image": path, "problem": problems[row]} for row, path in zip(bad, paths)]
+    if skipped:
+        named = [f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in skipped]
         more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
         notes.append(f"{name}: {len(skipped)} image(s) skipped (not found or unreadable)")
-        logger.warning("Skipped %d image(s) in split '%s': %s%s", len(skipped), name, named, more)
-        decoded = decoded.select([i for i, problem in enumerate(problems) if problem in ("", "resized")])
+        logger.warning("Skipped %d image(s) in split '%s': %s%s", len(skipped), name, ", ".join(named[:10]), more)
+        decoded = decoded.select(sorted(set(range(len(problems))).difference(bad)))
         if len(decoded) == 0:
-            raise RecipeError(
-                f"every image in split '{name}' is missing, corrupt or unreadable, e.g. {named.split(', ')[0]}"
-            )
+            raise RecipeError(f"every image in split '{name}' is missing, corrupt or unreadable, e.g. {named[0]}")
     return decoded.remove_columns("problem"), skipped
 
 

@@ -4,11 +4,9 @@ evaluating, and what a run writes next to its model (labels, reports, prediction
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 import datasets
 import numpy as np
@@ -28,6 +26,7 @@ from .data import (
     load_image_folder,
     load_splits,
     storage_format,
+    write_labels,
     write_skipped,
 )
 from .errors import RecipeError, first_line
@@ -158,9 +157,7 @@ def save_model_files(trainer, args: RunArguments, splits: ImageSplits, image_siz
     output_dir = trainer.args.output_dir
     evaluation_processor(image_size, args.augment.eval_crop_pct, mean, std).save_pretrained(output_dir)
     trainer.model.config.save_pretrained(output_dir)
-    labels = {"names": splits.label_names, "source": splits.label_source, "storage_shape": list(splits.storage_shape)}
-    labels["white"] = splits.white  # the level high-bit-depth images were scaled from (data.storage_format)
-    Path(output_dir, "labels.json").write_text(json.dumps(labels, indent=2))
+    write_labels(splits, output_dir)
 
 
 def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
