@@ -18,7 +18,7 @@ import transformers
 from vit_recipes import launch
 from vit_recipes.arguments import parse_args
 from vit_recipes.checks import check_hub, check_model
-from vit_recipes.data import decode_splits
+from vit_recipes.data import decode_splits, imbalance
 from vit_recipes.errors import RecipeError
 from vit_recipes.fp8 import convert_to_fp8
 from vit_recipes.modeling import build_finetune_model, mean_std
@@ -112,15 +112,22 @@ def main(argv: list[str] | None = None) -> dict:
     if training.do_train or training.do_eval:
         publish(trainer, args, plan, argv, splits, results, reports, finetune, meter)
     if trainer.is_world_process_zero():
-        summary(results, training.output_dir, reports)
+        summary(results, training.output_dir, reports, imbalance(splits))
     return results
 
 
 def cli() -> None:
-    """main() as a command: a RecipeError is one line on stderr and exit status 2."""
+    """main() as a command: a RecipeError is one line on stderr and exit status 2, once per machine."""
     try:
         main()
     except RecipeError as err:
+        if launch.env_int("LOCAL_RANK", default=0) > 0:
+            # Every rank checks the same arguments and raises the same error: local rank 0 prints it. Exiting now
+            # could let the launcher, which stops all ranks at the first failure, kill rank 0 before it prints: wait
+            # for that stop instead. Still running after it, the error is this rank's own: print it.
+            import time
+
+            time.sleep(30)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     launch.shutdown()  # after success only: a rank that failed must not wait in a collective teardown

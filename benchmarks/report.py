@@ -7,7 +7,8 @@ Folders are searched recursively (a run's outputs/, logs/, profiler/ and runs/ a
 
 Writes into --out (default: the first folder):
 - results.md: one table row per successful run, then failed/skipped runs with their error line, then the
-  cold/warm decode runs;
+  cold/warm decode runs; with a peer record (benchmarks/peer.py, transformers' example script) of 8 workers in the
+  folder, the table says each run's img/s as a multiple of the peer's ("x peer (8 workers)");
 - throughput_vs_batch.png: images/s against per-GPU batch, one line per strategy/precision (a panel per model;
   runs that ran out of memory are marked x on the axis);
 - memory_vs_batch.png: peak allocated (solid) and reserved (dashed) GiB per GPU against batch;
@@ -87,10 +88,15 @@ def fill_derived(record: dict) -> None:
         metrics["train_images_per_second_per_gpu"] = round(metrics["train_images_per_second"] / record["gpus"], 2)
 
 
+def strategy_label(record: dict) -> str:
+    """The strategy, marked when the run is the peer (transformers' example script, benchmarks/peer.py)."""
+    return record["strategy"] + (" (HF example)" if record.get("peer") else "")
+
+
 def series_key(record: dict) -> tuple:
     return (
         record["model"],
-        record["strategy"],
+        strategy_label(record),  # the peer is its own series
         record["precision"],
         record["gpus"],
         bool(record.get("gradient_checkpointing")),
@@ -160,7 +166,7 @@ def peak_allocated(metrics: dict) -> float | None:
 RESULT_COLUMNS = (
     ("Run", lambda r, m: f"`{r['name']}`"),
     ("Model", lambda r, m: r["model"]),
-    ("Strategy", lambda r, m: r["strategy"]),
+    ("Strategy", lambda r, m: strategy_label(r)),
     ("GPUs", lambda r, m: str(r["gpus"])),
     ("Precision", lambda r, m: r["precision"] + (" +ckpt" if r.get("gradient_checkpointing") else "")),
     ("Batch/GPU", lambda r, m: str(r["per_device_batch"])),
@@ -176,6 +182,50 @@ RESULT_COLUMNS = (
     ("states GiB", lambda r, m: _num(m.get("train_states_allocated_gib_max_rank"), 2)),
     ("loss", lambda r, m: _num(m.get("train_loss"), 3)),
 )
+
+
+PEER_COLUMN = "x peer (8 workers)"
+PEER_WORKERS = 8
+
+
+def peer_reference(record: dict, records: list[dict]) -> dict | None:
+    """The peer's 8-worker record to compare `record` with: from the same folder, same model and dataset (the same
+    batch when there is one); None without one."""
+    folder = Path(record.get("_source", "")).parent
+    candidates = [
+        r
+        for r in records
+        if r.get("peer")
+        and r.get("dataloader_workers") == PEER_WORKERS
+        and r["status"] == "ok"
+        and r["metrics"].get("train_images_per_second")
+        and Path(r.get("_source", "")).parent == folder
+        and (r["model"], r.get("dataset")) == (record["model"], record.get("dataset"))
+    ]
+    candidates.sort(key=lambda r: (r["per_device_batch"] != record["per_device_batch"], r["name"]))
+    return candidates[0] if candidates else None
+
+
+def peer_ratio(record: dict, records: list[dict]) -> float | None:
+    """img/s of `record` over its peer's (peer_reference)."""
+    reference = peer_reference(record, records)
+    speed = record["metrics"].get("train_images_per_second")
+    if reference is None or not speed:
+        return None
+    return speed / reference["metrics"]["train_images_per_second"]
+
+
+def result_columns(records: list[dict]) -> list[tuple]:
+    """RESULT_COLUMNS, plus the ratio against the peer after img/s when the records hold a peer to compare with."""
+    columns = list(RESULT_COLUMNS)
+    if any(peer_reference(r, records) for r in records):
+
+        def cell(record: dict, metrics: dict) -> str:
+            ratio = peer_ratio(record, records)
+            return "–" if ratio is None else f"{ratio:.2f}x"
+
+        columns.insert([name for name, _ in columns].index("img/s") + 1, (PEER_COLUMN, cell))
+    return columns
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -199,11 +249,18 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
         "are missing), peak reserved is rank 0's; states is what stays allocated between steps on the largest rank "
         "(parameters, optimizer states, persistent gradient buffers: what ZeRO and FSDP shard); "
         "MFU uses the datasheet dense peak (bf16, or TF32 for fp32 runs).",
-        "",
     ]
+    columns = result_columns(ok)
+    if len(columns) > len(RESULT_COLUMNS):
+        lines.append(
+            f"- {PEER_COLUMN}: img/s over that of the peer's {PEER_WORKERS}-worker run of the same folder "
+            "(benchmarks/peer.py: transformers' example script, PIL decoding and transforms per image in the "
+            "DataLoader workers, the stock Trainer; strategy marked (HF example)), measured the same way."
+        )
+    lines.append("")
     if ok:
         lines += ["## Throughput and memory", ""]
-        lines += table([c for c, _ in RESULT_COLUMNS], [[f(r, r["metrics"]) for _, f in RESULT_COLUMNS] for r in ok])
+        lines += table([c for c, _ in columns], [[f(r, r["metrics"]) for _, f in columns] for r in ok])
         lines.append("")
     if decode:
         lines += ["## Decoding: cold vs warm datasets cache", ""]
@@ -226,7 +283,7 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
         rows = [
             [
                 f"`{r['name']}`",
-                r["strategy"],
+                strategy_label(r),
                 str(r["gpus"]),
                 r["precision"],
                 str(r["per_device_batch"]),

@@ -17,12 +17,16 @@ Launchers: single -> python; ddp -> accelerate launch --multi_gpu; every other s
 writes its steady-state figures (warm-up skipped) into output_dir/all_results.json (meter.SpeedMeter); they
 become the record's "metrics". A run that fails, runs out of memory or times out is recorded with status "failed"
 and its error line.
+`peer: true` in a suite entry (or --peer) runs benchmarks/peer.py instead of the script: transformers' example
+script, reproduced and measured with the same meter, on one GPU (the entry's `extra` goes to it). The record says
+"peer": true and which transforms ran ("peer_transforms"); report.py states each run's ratio against the peer's
+8-worker record.
 `decode: true` in a suite entry runs the same command twice with one fresh HF_DATASETS_CACHE: "<name>-cold" decodes
 every image, "<name>-warm" reads the cache; both records carry data_decode_seconds and wall_seconds.
 
 Record schema (docs/benchmarks.md): name, strategy, gpus, model, per_device_batch, precision, dataset, steps, device,
 command, git_commit, versions, metrics, trace_dir (optional), created; plus status, error, failure, wall_seconds,
-global_batch, dataloader_workers, gradient_checkpointing, extra_args, cache, log, suite.
+global_batch, dataloader_workers, gradient_checkpointing, extra_args, cache, log, suite, peer (+ peer_transforms).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from vit_recipes import strategies  # noqa: E402
 
 SCRIPT = "run_image_classification.py"
+PEER_SCRIPT = "benchmarks/peer.py"
 SCHEMA_VERSION = 1
 
 # strategy -> its accelerate config, relative to ROOT (None: launched without one), from the strategy table. ddp
@@ -89,6 +94,7 @@ RUN_KEYS = {
     "launcher",
     "min_left",
     "ds_overrides",
+    "peer",
 }
 MIN_RUN_SECONDS = 40  # with a time budget, a run is not started with less left than this
 OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|Cannot allocate memory", re.I)
@@ -138,6 +144,8 @@ def default_name(run: dict) -> str:
     suffix = "-ckpt" if is_true(flag_value(extra, "--gradient_checkpointing")) else ""
     suffix += "-compile" if is_true(flag_value(extra, "--torch_compile")) else ""
     tag = run.get("model_tag") or model_tag(run["model"])
+    if run.get("peer"):
+        return f"peer-{tag}-{run['precision']}-b{run['batch']}-w{run['workers']}"
     return f"{tag}-{run['strategy']}-{run['precision']}-g{run['gpus']}-b{run['batch']}{suffix}"
 
 
@@ -164,6 +172,8 @@ def normalise(run: dict, defaults: dict | None = None) -> dict:
     run.setdefault("timeout", 600)
     run.setdefault("decode", False)
     run.setdefault("launcher", "accelerate")
+    peer = run.get("peer", False)
+    run["peer"] = is_true(peer) if isinstance(peer, str) else bool(peer)
     if run["strategy"] not in STRATEGIES:
         raise PlanError(f"unknown strategy {run['strategy']!r}; one of {', '.join(STRATEGIES)}")
     if run["precision"] not in PRECISIONS:
@@ -176,6 +186,8 @@ def normalise(run: dict, defaults: dict | None = None) -> dict:
         raise PlanError("strategy 'single' runs on one GPU; use ddp (or another strategy) for --gpus > 1")
     if run["strategy"] == "ddp" and run["gpus"] < 2:
         raise PlanError("strategy 'ddp' needs --gpus >= 2 (use 'single' for one GPU)")
+    if run["peer"] and (run["strategy"] != "single" or run.get("ds_overrides")):
+        raise PlanError("peer runs (transformers' example script) use strategy 'single': one GPU, no DeepSpeed")
     if run["launcher"] not in ("accelerate", "torchrun"):
         raise PlanError(f"launcher must be accelerate or torchrun, got {run['launcher']!r}")
     if run.get("ds_overrides") is not None:
@@ -271,7 +283,7 @@ def launch_prefix(run: dict, port: int | None = None, ds_config_file: str | None
 def script_args(run: dict, output_dir: str) -> list[str]:
     steps = run["steps"]
     args = [
-        SCRIPT,
+        PEER_SCRIPT if run.get("peer") else SCRIPT,
         "--model_name_or_path",
         run["model"],
         "--dataset_name",
@@ -300,9 +312,11 @@ def script_args(run: dict, output_dir: str) -> list[str]:
         "none",
         "--disable_tqdm",
         "true",
-        "--plots",
-        "false",
     ]
+    if run.get("peer"):  # the example's stock Trainer needs the image column kept; the checkpoint has another head
+        args += ["--remove_unused_columns", "false", "--ignore_mismatched_sizes", "true"]
+    else:
+        args += ["--plots", "false"]
     return args + run["extra"]
 
 
@@ -346,7 +360,12 @@ def code_fingerprint() -> str:
     import hashlib
 
     digest = hashlib.sha1()
-    files = [ROOT / SCRIPT, Path(__file__).resolve(), *sorted((ROOT / "src" / "vit_recipes").glob("*.py"))]
+    files = [
+        ROOT / SCRIPT,
+        ROOT / PEER_SCRIPT,
+        Path(__file__).resolve(),
+        *sorted((ROOT / "src" / "vit_recipes").glob("*.py")),
+    ]
     for file in files:
         if file.is_file():
             digest.update(file.name.encode() + b"\0" + file.read_bytes())
@@ -530,6 +549,7 @@ def base_record(run: dict, suite: str, context: dict) -> dict:
         "dataloader_workers": run["workers"],
         "extra_args": extra,
         "ds_overrides": run.get("ds_overrides"),
+        "peer": run.get("peer", False),
         "cache": None,
         "device": context["device"],
         "device_memory_gib": context["device_memory_gib"],
@@ -576,6 +596,8 @@ def execute(
         results_file = output_dir / "all_results.json"
         if code == 0 and results_file.is_file():
             metrics = json.loads(results_file.read_text())
+            if run.get("peer"):
+                record["peer_transforms"] = metrics.get("peer_transforms")
             metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             record["metrics"] = {**metrics, **derived_metrics(metrics, run), **per_rank_memory(output_dir)}
             record["status"] = "ok"
@@ -625,7 +647,7 @@ def one_line(record: dict) -> str:
 
 def smaller_batch_oom(run: dict, done: list[tuple[dict, dict]]) -> dict | None:
     """A finished run of the same configuration at a smaller batch that ran out of memory."""
-    same = ("model", "dataset", "strategy", "gpus", "precision", "extra", "workers")
+    same = ("model", "dataset", "strategy", "gpus", "precision", "extra", "workers", "peer")
     for other, record in done:
         if record["failure"] == "oom" and other["batch"] < run["batch"] and all(other[k] == run[k] for k in same):
             return other
@@ -722,6 +744,7 @@ def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--name", default=None, help="record name (default: model-strategy-precision-gN-bB)")
     parser.add_argument("--extra", action="append", default=[], help="script arguments, one quoted string")
     parser.add_argument("--decode", action="store_true", help="cold then warm HF_DATASETS_CACHE: decode timing")
+    parser.add_argument("--peer", action="store_true", help="run benchmarks/peer.py (transformers' example script)")
     parser.add_argument("--results", required=True, help="folder for the records, e.g. benchmarks/results/h200")
     parser.add_argument("--suite", help="YAML/JSON suite file: {defaults: {...}, runs: [...]}")
     parser.add_argument("--sweep", action="store_true", help="batch x strategy matrix (see --batches/--variants)")
@@ -770,7 +793,7 @@ def plan(args: argparse.Namespace, script_extra: list[str]) -> list[dict]:
         variants = [tuple(v.split(":")) for v in args.variants.split(",")]
         cli.pop("batch", None), cli.pop("strategy", None), cli.pop("precision", None)
         return [normalise(entry, cli) for entry in sweep_runs(batches, variants)]
-    single = {**cli, "decode": args.decode}
+    single = {**cli, "decode": args.decode, "peer": args.peer}
     if args.name:
         single["name"] = args.name
     return [normalise(single)]

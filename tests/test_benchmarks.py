@@ -533,3 +533,174 @@ def test_patch_dropout_time_to_accuracy_is_the_first_epoch_at_the_target():
             "summary": summary,
         }  # fmt: skip
     )
+
+
+# --------------------------------------------------------------------------------------------------- the peer
+
+
+def load_peer():
+    """benchmarks/peer.py as a module (registered first: its argument dataclass looks its module up)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_peer", BENCH / "peer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def torchvision_imports() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or built for another torch (as on the CPU test machine)
+        return False
+    return True
+
+
+def test_peer_runs_through_the_runner_and_records_like_our_script(cifar_like, tiny_vit, tmp_path):
+    """benchmarks/peer.py (transformers' example script) through run.py: in the training process and in a worker."""
+    suite = tmp_path / "suite.json"
+    defaults = {"model": str(tiny_vit), "dataset": str(cifar_like), "steps": 8, "batch": 8, "precision": "fp32"}
+    runs = [{"peer": True, "workers": w, "extra": "--use_cpu true"} for w in (0, 1)]
+    suite.write_text(json.dumps({"defaults": defaults, "runs": runs}))
+    results = tmp_path / "results"
+    done = runner("--suite", suite, "--results", results)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for workers in (0, 1):
+        name = f"peer-{tiny_vit.name}-fp32-b8-w{workers}"
+        record = json.loads((results / f"{name}.json").read_text())
+        assert set(record) >= RECORD_KEYS and record["status"] == "ok" and record["error"] is None
+        assert record["peer"] is True and record["dataloader_workers"] == workers
+        assert record["peer_transforms"] == ("torchvision" if torchvision_imports() else "pil")
+        assert (record["strategy"], record["gpus"], record["per_device_batch"], record["steps"]) == ("single", 1, 8, 8)
+        assert set(record["metrics"]) >= METRIC_KEYS, set(record["metrics"])  # the same meter as our runs
+        assert record["metrics"]["train_images_per_second"] > 0
+        assert 0 < record["metrics"]["train_data_wait_fraction"] < 1
+        assert record["metrics"]["cpu_peak_rss_gib_rank0"] > 0  # per-step logs, as ours
+        command = record["command"]
+        assert command.startswith("python benchmarks/peer.py --model_name_or_path")
+        assert f"--dataloader_num_workers {workers}" in command and "--remove_unused_columns false" in command
+    assert bench_report.main([str(results)]) == 0
+    markdown = (results / "results.md").read_text()
+    assert "single (HF example)" in markdown and "x peer (8 workers)" not in markdown  # no 8-worker peer here
+
+
+def test_peer_pil_transforms_follow_torchvision(monkeypatch):
+    """The PIL stand-in for RandomResizedCrop + RandomHorizontalFlip + ToTensor + Normalize: shapes, ranges, flips,
+    and crops inside torchvision's bounds (scale 0.08-1, ratio 3/4-4/3, the centre-crop fallback)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    peer = load_peer()
+    torch.manual_seed(0)
+    for width, height in ((32, 32), (64, 48), (500, 375), (40, 90)):
+        for _ in range(300):
+            top, left, h, w = peer.crop_params(width, height)
+            assert 0 < h <= height and 0 < w <= width and 0 <= top <= height - h and 0 <= left <= width - w
+            share = h * w / (width * height)
+            assert 0.08 * 0.8 <= share <= 1.0, (width, height, h, w)  # rounding moves small crops a little
+            assert 3 / 4 * 0.85 <= w / h <= 4 / 3 / 0.85, (width, height, h, w)
+    # Ten misses, then the whole image cut to the nearest allowed ratio, centred (as torchvision's get_params).
+    assert peer.crop_params(1000, 1) == (0, 499, 1, 1)
+    assert peer.crop_params(1, 1000) == (499, 0, 1, 1)
+    torch.manual_seed(1)
+    first = [peer.crop_params(64, 48) for _ in range(5)]
+    torch.manual_seed(1)
+    assert [peer.crop_params(64, 48) for _ in range(5)] == first  # the torch RNG alone decides
+
+    pixels = np.random.default_rng(0).integers(0, 256, size=(32, 32, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    out = peer.pil_train_transform((12, 20), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))(image)
+    assert out.shape == (3, 12, 20) and out.dtype == torch.float32
+    assert out.min() >= -1 and out.max() <= 1 and out.std() > 0.1
+    assert peer.pil_train_transform(16, mean=(0, 0, 0), std=(1, 1, 1))(image).shape == (3, 16, 16)
+
+    monkeypatch.setattr(peer, "crop_params", lambda width, height: (0, 0, height, width))  # the whole image
+    plain = peer.pil_train_transform(32, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    expected = torch.from_numpy(pixels).permute(2, 0, 1).float() / 255  # ToTensor: CHW in [0, 1]
+    flips = []
+    for _ in range(200):
+        tensor = plain(image)
+        assert torch.equal(tensor, expected) or torch.equal(tensor, expected.flip(-1))
+        flips.append(not torch.equal(tensor, expected))
+    assert 60 < sum(flips) < 140  # p = 0.5
+    normalised = peer.pil_train_transform(32, mean=(0.2, 0.4, 0.6), std=(0.5, 0.25, 0.1))(image)
+    mean, std = torch.tensor([0.2, 0.4, 0.6]).view(3, 1, 1), torch.tensor([0.5, 0.25, 0.1]).view(3, 1, 1)
+    assert any(torch.allclose(normalised, (x - mean) / std) for x in (expected, expected.flip(-1)))
+
+    from transformers import ViTImageProcessor
+
+    transform, kind = peer.train_transform(ViTImageProcessor(size={"height": 16, "width": 24}))
+    assert kind == ("torchvision" if torchvision_imports() else "pil")
+    assert transform(image).shape == (3, 16, 24)
+
+
+def test_peer_pil_transforms_equal_torchvision_for_the_same_seed():
+    pytest.importorskip("torchvision")
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision.transforms import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop, ToTensor
+
+    peer = load_peer()
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, size=(48, 64, 3), dtype=np.uint8))
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.3, 0.4)
+    ours = peer.pil_train_transform((24, 24), mean, std)
+    theirs = Compose([RandomResizedCrop((24, 24)), RandomHorizontalFlip(), ToTensor(), Normalize(mean, std)])
+    for seed in range(20):
+        torch.manual_seed(seed)
+        expected = theirs(image)
+        torch.manual_seed(seed)
+        assert torch.allclose(ours(image), expected, atol=1e-6), seed
+
+
+def test_report_states_each_run_against_the_peer_with_8_workers(tmp_path):
+    def record(name, images_per_second, peer=False, workers=8, batch=256):
+        return {
+            "name": name, "strategy": "single", "gpus": 1, "model": "vit-base", "dataset": "cifar100",
+            "per_device_batch": batch, "precision": "bf16", "steps": 60, "peer": peer,
+            "dataloader_workers": workers, "status": "ok", "device": "GPU",
+            "metrics": {"train_images_per_second": images_per_second, "train_step_time_s": batch / images_per_second},
+        }  # fmt: skip
+
+    folder = tmp_path / "call"
+    folder.mkdir()
+    for item in (
+        record("peer-w0", 500.0, peer=True, workers=0),
+        record("peer-w8", 1000.0, peer=True),
+        record("ours-b256", 2500.0),
+        record("ours-b512-regions", 3600.0, batch=512),
+    ):
+        (folder / f"{item['name']}.json").write_text(json.dumps(item))
+    other = tmp_path / "other"  # another call's peer is not this folder's reference
+    other.mkdir()
+    (other / "peer-elsewhere.json").write_text(json.dumps(record("peer-elsewhere", 100.0, peer=True)))
+    (other / "ours-elsewhere.json").write_text(json.dumps(record("ours-elsewhere", 2000.0)))
+    assert bench_report.main([str(folder), str(other), "--out", str(tmp_path / "report")]) == 0
+    markdown = (tmp_path / "report" / "results.md").read_text()
+    lines = markdown.split("## Throughput and memory", 1)[1].split("##", 1)[0].splitlines()
+    header = next(line for line in lines if line.startswith("| Run"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[columns.index("img/s") + 1] == "x peer (8 workers)"
+    ratios = {}
+    for line in lines:
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            ratios[cells[0].strip("`")] = (
+                cells[columns.index("Strategy")],
+                cells[columns.index("x peer (8 workers)")],
+            )
+    assert ratios == {
+        "peer-w0": ("single (HF example)", "0.50x"),
+        "peer-w8": ("single (HF example)", "1.00x"),
+        "ours-b256": ("single", "2.50x"),
+        "ours-b512-regions": ("single", "3.60x"),
+        "peer-elsewhere": ("single (HF example)", "1.00x"),
+        "ours-elsewhere": ("single", "20.00x"),
+    }
+    assert "x peer (8 workers): img/s over that of the peer's 8-worker run of the same folder" in markdown
+
+    plain = tmp_path / "plain"  # no peer: no column
+    plain.mkdir()
+    (plain / "ours.json").write_text(json.dumps(record("ours", 2500.0)))
+    assert bench_report.main([str(plain)]) == 0
+    assert "x peer" not in (plain / "results.md").read_text()

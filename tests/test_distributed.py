@@ -14,6 +14,7 @@ save and merge it. The whole script under FSDP2 is proven on GPUs (benchmarks/gp
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -21,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -943,3 +945,160 @@ def test_zero2_killed_mid_checkpoint_then_the_same_command_matches_the_uninterru
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
     done, reference = (json.loads((o / "all_results.json").read_text()) for o in (out, zero2_run))
     assert done["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)
+
+
+# ------------------------------------------------------------------ several machines on one host, and launch errors
+
+
+def launch_machines(name: str, commands: list[list[str]], env=None) -> None:
+    """One launcher per "machine", all on this host and all at once (each waits for the others at rendezvous).
+    Logs go to files, not pipes: a full pipe of one machine would block it while the other waits for it."""
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        procs = [subprocess.Popen(c, cwd=ROOT, env=env or launch_env(), stdout=log, stderr=subprocess.STDOUT)
+                 for c, log in zip(commands, logs)]  # fmt: skip
+        try:
+            for p in procs:
+                p.wait(timeout=TIMEOUT)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        failed = []
+        for i, (p, log) in enumerate(zip(procs, logs)):
+            if p.returncode != 0:
+                log.seek(0)
+                failed.append(f"{name}, machine {i} exited {p.returncode}:\n{log.read()[-3000:]}")
+    if failed:
+        pytest.fail("\n".join(failed))
+
+
+def deepspeed_machine(hostfile: Path, node: int, port: int) -> list[str]:
+    """The `deepspeed` launcher on one machine of a hostfile's, without ssh (docs/distributed.md)."""
+    return [tool("deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+            "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
+
+
+def accelerate_machine(config: str, machines: int, processes: int, rank: int, port: int) -> list[str]:
+    """`accelerate launch` on one machine of several (docs/distributed.md); `processes` counts all machines'."""
+    return [tool("accelerate"), "launch", "--config_file", f"accelerate_configs/{config}",
+            "--num_machines", str(machines), "--num_processes", str(processes), "--machine_rank", str(rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--rdzv_backend", "static"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_machines_over_loopback_with_the_deepspeed_launcher(ten_classes, same_head_vit, tmp_path):
+    """`deepspeed --hostfile ... --no_ssh --node_rank N`, run once per machine as docs/distributed.md says for
+    machines without ssh between them: two "machines" of one CPU process each, ZeRO-2, over loopback."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-1 slots=1\nnode-2 slots=1\n")  # names only: --no_ssh never reaches them
+    out = tmp_path / "two-nodes"
+    args = run_args(ten_classes, same_head_vit, out, "--deepspeed", "ds_configs/zero2.json",
+                    "--per_device_train_batch_size", 4, steps=2)  # fmt: skip
+    port = free_port()
+    launch_machines(
+        "deepspeed --no_ssh, 2 machines x 1 process",
+        [deepspeed_machine(hostfile, node, port) + [RANK_REPORT_SCRIPT, *args] for node in (0, 1)],
+    )
+    found = reports(out)
+    for r in found:
+        assert r["zero_stage"] == 2 and r["wrapper"] == DS_ENGINE and r["backend"] == "gloo", r
+    assert_sharded(found, params=False, optimizer=True)
+    assert set(load_file(out / "model.safetensors")) == set(load_file(same_head_vit / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_two_machines_over_loopback_with_accelerate_launch(ten_classes, same_head_vit, tmp_path):
+    """The docs' multi-machine command, run once per machine: accelerate_configs/multinode.yaml (the template users
+    copy; ZeRO-3 through the same flags is the SLURM script's test above), two "machines" of one CPU process each."""
+    out = tmp_path / "two-nodes"
+    args = run_args(ten_classes, same_head_vit, out, "--per_device_train_batch_size", 4, steps=2)
+    port = free_port()
+    launch_machines(
+        "accelerate launch, 2 machines x 1 process",
+        [accelerate_machine("multinode.yaml", 2, 2, rank, port) + [RANK_REPORT_SCRIPT, *args] for rank in (0, 1)],
+    )
+    found = reports(out)
+    for r in found:
+        assert r["wrapper"] == DDP and r["backend"] == "gloo" and r["distributed_type"] == "MULTI_CPU", r
+        assert r["precision"] == "bf16", r  # the template's mixed_precision arrived
+    assert_sharded(found, params=False, optimizer=False)
+    assert set(load_file(out / "model.safetensors")) == set(load_file(same_head_vit / "model.safetensors"))
+
+
+def test_slurm_script_runs_one_accelerate_launch_per_node_with_its_rank(tmp_path):
+    """The commands scripts/slurm/train.sbatch runs on 2 nodes, with stand-ins: `srun` starts the task once per
+    node (SLURM_PROCID), `accelerate` prints its arguments. Arguments with spaces must arrive as one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        'while [[ "$1" == --* ]]; do shift; done\n'
+        'for i in 0 1; do SLURM_PROCID=$i "$@" || exit; done\n'
+    )
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'gpu-node-1\\ngpu-node-2\\n'\n")
+    (bin_dir / "accelerate").write_text('#!/usr/bin/env bash\necho "ARGV $(printf \'[%s]\' "$@")"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "ACCELERATE_", "GPUS_"))}
+    base.update(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu-node-[1-2]")
+
+    def commands(**env) -> list[str]:
+        result = subprocess.run(
+            ["bash", "scripts/slurm/train.sbatch", "--config", "recipes/x.yaml", "--output_dir", "out dir"],
+            cwd=ROOT, env={**base, **env}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return [line.removeprefix("ARGV ") for line in result.stdout.splitlines() if line.startswith("ARGV ")]
+
+    def expected(config: str, processes: int, port: int, script="run_image_classification.py") -> list[str]:
+        return [
+            f"[launch][--config_file][{config}][--num_machines][2][--num_processes][{processes}][--machine_rank][{rank}]"
+            f"[--main_process_ip][gpu-node-1][--main_process_port][{port}][--rdzv_backend][static]"
+            f"[{script}][--config][recipes/x.yaml][--output_dir][out dir]"
+            for rank in (0, 1)
+        ]
+
+    assert commands() == expected("accelerate_configs/multinode.yaml", 16, 29500)
+    assert commands(SLURM_GPUS_ON_NODE="4", ACCELERATE_CONFIG="accelerate_configs/zero3.yaml") == expected(
+        "accelerate_configs/zero3.yaml", 8, 29500
+    )
+    assert commands(
+        GPUS_PER_NODE="2", SLURM_GPUS_ON_NODE="4", MASTER_PORT="29600", TRAIN_SCRIPT="tools/rank_report.py"
+    ) == expected("accelerate_configs/multinode.yaml", 4, 29600, "tools/rank_report.py")
+
+
+def test_deepspeed_launchers_count_of_this_machines_processes_is_read(monkeypatch):
+    """The `deepspeed` launcher sets LOCAL_SIZE, not LOCAL_WORLD_SIZE: 2 machines x 8 GPUs is 16 processes in all
+    and 8 on this machine, which must not read as 16 on 8 GPUs."""
+    from vit_recipes.launch import check_processes
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    check_processes(use_cpu=False)
+    monkeypatch.setenv("LOCAL_SIZE", "9")
+    with pytest.raises(RecipeError, match=r"9 processes on this machine but only 8 GPU.*--num_processes 8"):
+        check_processes(use_cpu=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the command as typed, on a machine without GPUs")
+def test_too_many_processes_for_this_machine_is_one_error_line_not_one_per_process(tmp_path):
+    """The README's command as typed on a machine without GPUs: zero3.yaml starts 8 processes, each refuses before
+    the process group; local rank 0 alone prints the error (with the fix), the launcher stops the others."""
+    command = [tool("accelerate"), "launch", "--config_file", "accelerate_configs/zero3.yaml",
+               "run_image_classification.py", "--dataset_name", "data", "--model_name_or_path", "model",
+               "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    env = launch_env(PYTHONPATH=pythonpath, MASTER_PORT=str(free_port()))
+    env.pop("ACCELERATE_USE_CPU", None)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    text = result.stdout + result.stderr
+    errors = [line for line in text.splitlines() if "error:" in line]
+    assert result.returncode != 0 and len(errors) == 1, text[-6000:]
+    assert errors[0].startswith("error: 8 processes were launched but this machine has no GPU"), errors
+    assert "--use_cpu true to the script and --num_processes N to accelerate" in errors[0], errors
+    assert not (tmp_path / "out").exists()

@@ -98,6 +98,7 @@ PER_CLASS = "| Class | Precision | Recall | F1 | Support |\n|---|---|---|---|---
 def card_info(**overrides) -> CardInfo:
     values = dict(
         model_name="vit-base-cifar100",
+        repo_id="me/vit-base-cifar100",
         base_model="google/vit-base-patch16-224-in21k",
         base_model_source="google/vit-base-patch16-224-in21k",
         dataset_id="uoft-cs/cifar100",
@@ -143,14 +144,36 @@ def test_model_card_round_trip(tmp_path):
     for result in data.eval_results:
         assert result.dataset_split == "test" and result.dataset_type == "uoft-cs/cifar100"
         assert result.task_type == "image-classification"
-    assert metadata_load(path)["model-index"][0]["name"] == "vit-base-cifar100"
+    assert metadata_load(path)["model-index"][0]["name"] == "me/vit-base-cifar100"
 
     body = card.text
     assert "accelerate launch run_image_classification.py --config recipes/cifar100.yaml" in body
     assert PER_CLASS in body and "![Confusion matrix](confusion_matrix_test.png)" in body
     assert "```yaml\ndataset_name: cifar100" in body and "1,234.5 images/s" in body
-    assert 'pipeline("image-classification", model="vit-base-cifar100")' in body
+    assert 'pipeline("image-classification", model="me/vit-base-cifar100")' in body and "<user>" not in body
     assert "90.12%" in body  # test accuracy in the summary
+
+
+def test_model_card_history_versions_limitations_and_a_placeholder_repo(tmp_path):
+    history = [
+        {"loss": 2.1, "step": 5, "epoch": 0.5},
+        {"eval_loss": 1.5, "eval_accuracy": 0.6, "eval_runtime": 2.0, "step": 10, "epoch": 1.0},
+        {"eval_loss": 1.25, "eval_accuracy": 0.75, "eval_runtime": 2.0, "step": 20, "epoch": 2.0},
+    ]
+    info = card_info(
+        repo_id="<user>/out",
+        eval_history=history,
+        versions={"transformers": "5.0.0", "torch": "2.13.0"},
+        limitations=["Trained on 8 images of digits and evaluated on its test split (4 images)."],
+    )
+    path = write_model_card(info, str(tmp_path))
+    body = ModelCard.load(path).text
+    assert metadata_load(path)["model-index"][0]["name"] == "<user>/out"
+    assert 'model="<user>/out"' in body and "replace `<user>/out` with the repo you push it to" in body
+    assert "## Evaluation during training\n\n| Epoch | Step | Validation loss | Accuracy |" in body
+    assert "| 1.00 | 10 | 1.5000 | 0.6000 |\n| 2.00 | 20 | 1.2500 | 0.7500 |" in body  # eval entries only, in order
+    assert "## Framework versions\n\n- transformers 5.0.0\n- torch 2.13.0" in body
+    assert "## Limitations\n\n- Trained on 8 images of digits" in body
 
 
 def test_model_card_without_test_split_reports_validation(tmp_path):

@@ -1,5 +1,6 @@
 """The run plan (derived once from the arguments and the launch), the strategy table, and `--help`."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -111,3 +112,51 @@ def test_readme_strategy_table_is_the_strategy_table():
         for path in (spec.accelerate_config, spec.deepspeed_config):
             assert path is None or f"`{path.split('/')[-1]}`" in row, (spec.name, path)
         assert f"| {spec.shards} |" in row, (spec.name, spec.shards)
+
+
+def test_regional_compilation_is_the_gpu_default_where_the_strategy_allows_it(tmp_path, monkeypatch):
+    """Unset, --torch_compile_regions turns on for training on a CUDA GPU, never on the CPU or under ZeRO-3."""
+    from vit_recipes.plan import configure
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")  # restored after the test
+
+    def resolved(device, *extra):
+        args = parse_args(["--dataset_name", "data", "--output_dir", str(tmp_path / "out"), "--report_to", "none",
+                           "--use_cpu", "true", "--do_train", "true", *extra])  # fmt: skip
+        plan = build_plan(args)
+        configure(dataclasses.replace(plan, device=device), args)
+        return args.training.torch_compile_regions, args.training.torch_compile
+
+    assert resolved("cpu") == (None, False)
+    assert resolved("cuda") == (True, True)
+    assert resolved("cuda", "--torch_compile_regions", "false") == (False, False)
+    zero3 = ("--deepspeed", str(ROOT / "ds_configs/zero3.json"))
+    assert resolved("cuda", *zero3) == (None, False)  # the table refuses it under ZeRO-3: the default stays eager
+
+
+def test_a_failing_compile_trains_eagerly_with_one_warning(
+    cifar_like, tiny_vit, tmp_path, run_script, monkeypatch, capsys
+):
+    """The compiler raising (a missing toolchain, an unsupported op) costs speed, not the run: the same losses as an
+    eager run, and one warning line instead of dynamo's traceback per compiled frame."""
+    import torch._dynamo
+    from conftest import logged_losses, run_args
+    from torch._dynamo.backends import registry
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no C++ compiler found")
+
+    torch._dynamo.list_backends()  # registers the built-in backends, so the one patched below is not re-registered
+    monkeypatch.setitem(registry._COMPILER_FNS, "aot_eager", broken)
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # restored after the test
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")
+    common = ("--do_eval", "false", "--max_steps", "4", "--plots", "false", "--logging_steps", "1",
+              "--dataloader_drop_last", "true")  # fmt: skip
+    torch._dynamo.reset()
+    run_script(*run_args(cifar_like, tiny_vit, tmp_path / "broken", *common, "--torch_compile_regions", "true",
+                         "--torch_compile_backend", "aot_eager"))  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("torch.compile failed, so this part trains eagerly") == 1, out[-3000:]
+    assert "RuntimeError: no C++ compiler found" in out and "Traceback" not in out
+    run_script(*run_args(cifar_like, tiny_vit, tmp_path / "eager", *common))
+    assert logged_losses(tmp_path / "broken") == pytest.approx(logged_losses(tmp_path / "eager"), rel=1e-6)

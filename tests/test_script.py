@@ -241,9 +241,12 @@ def test_dataloader_workers_are_stopped_before_main_returns(cifar_like, tiny_vit
 
 
 @pytest.mark.slow
-def test_balanced_class_weights_raise_minority_recall_on_real_imbalanced_digits(digits_dir, tmp_path, run_script):
+def test_balanced_class_weights_raise_minority_recall_on_real_imbalanced_digits(
+    digits_dir, tmp_path, run_script, capsys
+):
     """scikit-learn's digits with classes 8 and 9 cut to 6 training images each (the others keep ~115): the
-    unweighted loss all but ignores them; --class_weights balanced gives them the weight of a full class."""
+    unweighted loss all but ignores them; --class_weights balanced gives them the weight of a full class, and
+    balanced_sampler draws them as often as the others. The summary and the card lead with balanced figures."""
     from datasets import load_dataset
 
     splits = load_dataset(str(digits_dir))
@@ -259,12 +262,21 @@ def test_balanced_class_weights_raise_minority_recall_on_real_imbalanced_digits(
     data = tmp_path / "imbalanced"
     splits.save_to_disk(str(data))
     recall = {}
-    for weights in ("none", "balanced"):
+    for weights in ("none", "balanced", "balanced_sampler"):
         out = tmp_path / weights
+        capsys.readouterr()
         run_script("--config", ROOT / "recipes/quickstart/digits.yaml", "--dataset_name", data, "--output_dir", out,
                    "--num_train_epochs", "12", "--eval_strategy", "no", "--class_weights", weights)  # fmt: skip
         with open(out / "per_class_accuracy_test.csv") as f:
             rows = {int(r["class_id"]): float(r["accuracy"]) for r in csv.DictReader(f)}
         recall[weights] = (rows[8] + rows[9]) / 2
+        summary = capsys.readouterr().out.split("=" * 60)[-2].strip().splitlines()
+        assert summary[0].startswith("classes are imbalanced in train (6 to "), summary
+        assert summary[1].startswith("test_balanced_accuracy (mean per-class recall): ")
+        assert summary[2].startswith("test_f1_macro: ") and summary[3].startswith("worst classes' recall: ")
+        assert any(line.startswith("test_accuracy: ") for line in summary[4:]), summary  # plain accuracy after
+        card = (out / "README.md").read_text()
+        assert "classes are imbalanced in train (6 to " in card and "balanced accuracy (mean per-class recall)" in card
     print(f"minority recall (classes 8, 9): {recall}")
     assert recall["balanced"] > recall["none"] + 0.15, recall
+    assert recall["balanced_sampler"] > recall["none"] + 0.15, recall

@@ -73,6 +73,15 @@ class DataArguments:
     dataset_config_name: str | None = _arg(None, "Hub dataset configuration name.")
     image_column_name: str | None = _arg(None, "Image column (default: the preset's, else detected).")
     label_column_name: str | None = _arg(None, "Label column (default: the preset's, else detected).")
+    problem_type: str | None = _arg(
+        None,
+        "'multi_label_classification' (any number of labels per image: sigmoid outputs, binary cross-entropy) or "
+        "'single_label_classification'. Default: multi-label when the label column holds lists of labels.",
+    )
+    multi_label_threshold: float = _arg(
+        0.5,
+        "Multi-label: a label is predicted when its sigmoid score is at least this (F1, exact match, predictions).",
+    )
     train_split_name: str = _arg("train", "Split to train on.")
     validation_split_name: str | None = _arg(None, "Validation split (default: validation/valid/val if present).")
     test_split_name: str | None = _arg(None, "Test split evaluated once at the end (default: 'test' if present).")
@@ -112,7 +121,11 @@ class AugmentationArguments:
         "Fraction of patch tokens each training image drops at random (PatchDropout; timm's patch_drop_rate): "
         "shorter sequences, faster steps. Evaluation and prediction see every patch. 0 disables.",
     )
-    class_weights: str = _arg("none", "'balanced': weight the training loss by inverse class frequency in train.")
+    class_weights: str = _arg(
+        "none",
+        "'balanced': weight the training loss by inverse class frequency in train; 'balanced_sampler': draw training "
+        "images (with replacement) so that every class comes up equally often.",
+    )
 
 
 @dataclass
@@ -213,6 +226,19 @@ def resolve_report_to(report_to):
     return names[0] if len(names) == 1 else names
 
 
+def compile_regions(t, regions: bool = True) -> None:
+    """Turn on (regional) torch.compile in TrainingArguments `t`, from __post_init__ or once the plan knows the device."""
+    if regions:  # the Trainer builds accelerate's TorchDynamoPlugin without this option; the plugin reads it here
+        os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true"
+        t.torch_compile, t.torch_compile_regions = True, True
+        t.torch_compile_backend = t.torch_compile_backend or "inductor"
+    if not t.dataloader_drop_last:
+        # An epoch's short last batch is a new shape that torch.compile recompiles for, every epoch (tens of seconds
+        # on a GPU); dropping it costs under one batch of images per epoch.
+        logger.info("torch.compile: dropping each epoch's incomplete last batch (a new shape would recompile)")
+        t.dataloader_drop_last = True
+
+
 @dataclass
 class RecipeTrainingArguments(TrainingArguments):
     """`TrainingArguments` with defaults suited to image classification."""
@@ -238,11 +264,13 @@ class RecipeTrainingArguments(TrainingArguments):
         default_factory=lambda: {"use_reentrant": False},
         metadata={"help": "Non-reentrant by default: works with frozen inputs (LoRA) and every strategy."},
     )
-    torch_compile_regions: bool = _arg(
-        False,
+    torch_compile_regions: bool | None = _arg(
+        None,
         "torch.compile each transformer layer (compiled once, reused for every layer: accelerate's regional "
         "compilation, also under DeepSpeed and FSDP2) and the rest of the model apart, instead of the whole model at "
-        "once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply.",
+        "once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply. Unset: on when training "
+        "on a CUDA GPU under a strategy that allows it; false: eager. A compilation that fails runs eagerly, with "
+        "one warning.",
     )
     fp8: bool = _arg(
         False,
@@ -264,14 +292,9 @@ class RecipeTrainingArguments(TrainingArguments):
             self.dataloader_prefetch_factor = None
         self.report_to = resolve_report_to(self.report_to)  # drops tensorboard, with one warning, if not installed
         if self.torch_compile_regions:
-            # The Trainer builds accelerate's TorchDynamoPlugin without this option; the plugin reads it from here.
-            os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true"
-            self.torch_compile = True
-        if self.torch_compile and not self.dataloader_drop_last:
-            # An epoch's short last batch is a new shape that torch.compile recompiles for, every epoch (tens of
-            # seconds on a GPU); dropping it costs under one batch of images per epoch.
-            logger.info("--torch_compile: dropping each epoch's incomplete last batch (a new shape would recompile)")
-            self.dataloader_drop_last = True
+            compile_regions(self)
+        elif self.torch_compile:
+            compile_regions(self, regions=False)
         if self.do_predict and not (self.do_train or self.do_eval):
             # TrainingArguments turns do_eval on for any eval_strategy (default here: epoch), which is about
             # evaluating during training: a run that only predicts evaluates nothing it was not asked to.
@@ -446,8 +469,14 @@ def validate_arguments(args: RunArguments) -> None:
         raise RecipeError("mixup_alpha and cutmix_alpha must be >= 0")
     if not 0 < aug.eval_crop_pct <= 1:
         raise RecipeError(f"eval_crop_pct must be in (0, 1], got {aug.eval_crop_pct}")
-    if aug.class_weights not in ("none", "balanced"):
-        raise RecipeError(f"class_weights must be none or balanced, got {aug.class_weights!r}")
+    if data.problem_type not in (None, "single_label_classification", "multi_label_classification"):
+        raise RecipeError(
+            f"problem_type must be single_label_classification or multi_label_classification, got {data.problem_type!r}"
+        )
+    if not 0 < data.multi_label_threshold < 1:
+        raise RecipeError(f"multi_label_threshold must be in (0, 1), got {data.multi_label_threshold}")
+    if aug.class_weights not in ("none", "balanced", "balanced_sampler"):
+        raise RecipeError(f"class_weights must be none, balanced or balanced_sampler, got {aug.class_weights!r}")
     if not 0 <= aug.patch_dropout < 1:
         raise RecipeError(f"patch_dropout must be in [0, 1), got {aug.patch_dropout}")
     if not 0 <= train.label_smoothing_factor < 1:
@@ -483,6 +512,8 @@ def run_config(args: RunArguments) -> dict[str, Any]:
         "dataset_config_name": args.data.dataset_config_name,
         "seed": args.training.seed,
     }
+    if args.data.problem_type:  # a multi-label run on single-label data is another run
+        config["problem_type"] = args.data.problem_type
     if args.lora.use_peft:  # LoRA and head-only runs are other runs than full fine-tuning
         config.update(use_peft=True, lora_r=args.lora.lora_r, lora_target_modules=args.lora.lora_target_modules)
     elif args.lora.freeze_backbone:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import os
 import re
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .data import resolve_source
+from .data import imbalance, resolve_source
 from .hub import redact
 from .launch import env_int
 
@@ -44,12 +45,27 @@ class CardInfo:
     extra_tags: list[str] = field(default_factory=list)
     library_name: str = "transformers"
     data_notes: list[str] = field(default_factory=list)  # what the run changed in the data (data.ImageSplits.notes)
+    repo_id: str = "<user>/model"  # the Hub repo: --hub_model_id, or a placeholder to replace when not pushing
+    eval_history: list[dict] = field(default_factory=list)  # the Trainer's evaluation log entries, in order
+    versions: dict[str, str] = field(default_factory=dict)  # library -> version the run used
+    limitations: list[str] = field(default_factory=list)
+    multi_label: bool = False  # any number of labels per image (sigmoid scores), not one class
+    imbalance: tuple[int, int] | None = None  # (fewest, most) train images per class, when imbalanced (data.imbalance)
+    worst_recall: list[tuple[str, float]] = field(default_factory=list)  # the weakest classes, lowest recall first
 
 
 def _metric_spec(key: str) -> dict | None:
     """A metric key (without split prefix) as model-index `EvalResult` fields; None for a metric it does not know."""
     if key == "accuracy":
         return {"metric_type": "accuracy", "metric_name": "Accuracy"}
+    if key == "mean_average_precision":
+        return {"metric_type": "mean_average_precision", "metric_name": "mAP"}
+    if key == "subset_accuracy":
+        return {
+            "metric_type": "accuracy",
+            "metric_name": "Subset accuracy (exact match)",
+            "metric_args": {"subset": True},
+        }
     if m := re.fullmatch(r"top_?(\d+)_?accuracy", key):
         return {"metric_type": f"top_{m[1]}_accuracy", "metric_name": f"Top-{m[1]} accuracy"}
     if m := re.fullmatch(r"(f1|precision|recall)(?:_(macro|micro|weighted))?", key):
@@ -101,12 +117,41 @@ def _summary(info: CardInfo, validation: dict, test: dict) -> str:
         data = f"the local dataset `{info.dataset_id}`"
     count = len(info.label_names)
     names = ", ".join(info.label_names[:10]) + (", ..." if count > 10 else "")
-    text = f"This model is {origin}, trained on {data} to classify images into {count} classes ({names})."
-    if "accuracy" in test:
+    task = (
+        f"tag images with any of {count} labels (multi-label)"
+        if info.multi_label
+        else f"classify images into {count} classes"
+    )
+    text = f"This model is {origin}, trained on {data} to {task} ({names})."
+    if info.multi_label:
+        for split, metrics in (("test", test), ("validation", validation)):
+            if "mean_average_precision" in metrics:
+                text += f" It reaches **{metrics['mean_average_precision']:.4f}** mAP on the {split} split."
+                break
+    elif info.imbalance and "recall_macro" in (metrics := test or validation):
+        split = "test" if test else "validation"
+        weakest = ", ".join(f"{label} {recall:.0%}" for label, recall in info.worst_recall)
+        text += (
+            f" Its classes are imbalanced in train ({info.imbalance[0]} to {info.imbalance[1]} images per class), so "
+            f"balanced figures come first: on the {split} split it reaches **{metrics['recall_macro']:.2%}** balanced "
+            f"accuracy (mean per-class recall) and {metrics['f1_macro']:.4f} macro F1"
+            + (f"; plain accuracy {metrics['accuracy']:.2%}" if "accuracy" in metrics else "")
+            + (f". Weakest classes' recall: {weakest}." if weakest else ".")
+        )
+    elif "accuracy" in test:
         text += f" It reaches **{test['accuracy']:.2%}** top-1 accuracy on the test split."
     elif "accuracy" in validation:
         text += f" It reaches **{validation['accuracy']:.2%}** top-1 accuracy on the validation split (no test split)."
     return text
+
+
+def _history_row(entry: dict) -> dict:
+    """One evaluation log entry as table cells: epoch, step, validation loss and the metrics model-index knows."""
+    row = {"Epoch": f"{entry.get('epoch', 0):.2f}", "Step": entry.get("step", "-")}
+    for key, value in _strip(entry).items():
+        if key == "loss" or _metric_spec(key):
+            row["Validation loss" if key == "loss" else _metric_spec(key)["metric_name"]] = f"{value:.4f}"
+    return row
 
 
 def _body(info: CardInfo, validation: dict, test: dict) -> str:
@@ -120,6 +165,10 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
     if not test:
         parts.append("There is no test split: the model-index metadata reports the validation split.")
 
+    if rows := [_history_row(e) for e in info.eval_history if "eval_loss" in e]:
+        keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("Epoch", "Step")]
+        table = [(r["Epoch"], r["Step"], *(r.get(k, "-") for k in keys)) for r in rows]
+        parts.append("## Evaluation during training\n\n" + _table(("Epoch", "Step", *keys), table))
     if info.data_notes:
         parts.append("## Data\n\nWhat this run did to the dataset:\n\n" + "\n".join(f"- {n}" for n in info.data_notes))
     parts.append(f"## Reproduce\n\n```bash\n{info.command}\n```")
@@ -137,13 +186,26 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
         setup.append(f"- Weights loaded from: `{info.base_model_source}`")
     parts.append("## Training setup\n\n" + "\n".join(setup))
 
+    if info.versions:
+        parts.append("## Framework versions\n\n" + "\n".join(f"- {k} {v}" for k, v in info.versions.items()))
+    if info.limitations:
+        parts.append("## Limitations\n\n" + "\n".join(f"- {line}" for line in info.limitations))
     if info.per_class_markdown:
         parts.append(info.per_class_markdown.strip())  # its own "## Per-class accuracy (split)" section
     if info.confusion_matrix_file:
         parts.append(f"## Confusion matrix\n\n![Confusion matrix]({info.confusion_matrix_file})")
 
     parts.append("## How to use")
-    code = f'from transformers import pipeline\n\nclassifier = pipeline("image-classification", model="{info.model_name}")\n'
+    if info.repo_id.startswith("<user>/"):
+        parts.append(
+            f"Not pushed by this run: replace `{info.repo_id}` with the repo you push it to, or a local path."
+        )
+    code = (
+        f'from transformers import pipeline\n\nclassifier = pipeline("image-classification", model="{info.repo_id}")\n'
+    )
+    if info.multi_label:  # the pipeline returns the 5 best labels unless asked for all: each is an independent sigmoid
+        count = len(info.label_names)
+        parts.append(f"Each label gets its own sigmoid score: pass `top_k={count}` to see all {count} of them.")
     if info.library_name == "peft":  # the base with this repo's labels, then the adapter (docs/lora.md)
         base = info.base_model or info.base_model_source or "BASE_MODEL"
         parts.append(
@@ -153,12 +215,12 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
             "from peft import PeftModel\n"
             "from transformers import AutoConfig, AutoModelForImageClassification, pipeline\n\n"
             f'config = AutoConfig.from_pretrained("{base}")\n'
-            f'labels = AutoConfig.from_pretrained("{info.model_name}")\n'
+            f'labels = AutoConfig.from_pretrained("{info.repo_id}")\n'
             "config.num_labels, config.id2label, config.label2id = labels.num_labels, labels.id2label, labels.label2id\n"
             f'base = AutoModelForImageClassification.from_pretrained("{base}", config=config, '
             "ignore_mismatched_sizes=True)\n"
-            f'model = PeftModel.from_pretrained(base, "{info.model_name}").merge_and_unload()\n'
-            f'classifier = pipeline("image-classification", model=model, image_processor="{info.model_name}")\n'
+            f'model = PeftModel.from_pretrained(base, "{info.repo_id}").merge_and_unload()\n'
+            f'classifier = pipeline("image-classification", model=model, image_processor="{info.repo_id}")\n'
         )
     parts.append(f'```python\n{code}print(classifier("path/to/image.jpg"))\n```')
     return "\n\n".join(parts) + "\n"
@@ -169,7 +231,8 @@ def build_model_card(info: CardInfo) -> ModelCard:
     eval_results = _eval_results(info, test, "test") if test else _eval_results(info, validation, "validation")
     if info.library_name == "peft" and not info.base_model:
         logger.warning("PEFT model card without a Hub base_model: the Hub will not link the adapter to its base")
-    tags = list(dict.fromkeys(["image-classification", "vision", "vit", info.strategy, *info.extra_tags]))
+    multi = ["multi-label-classification"] if info.multi_label else []
+    tags = list(dict.fromkeys(["image-classification", *multi, "vision", "vit", info.strategy, *info.extra_tags]))
     data = ModelCardData(
         library_name=info.library_name,
         license="apache-2.0",
@@ -178,7 +241,7 @@ def build_model_card(info: CardInfo) -> ModelCard:
         datasets=[info.dataset_id] if info.dataset_is_hub else None,
         metrics=list(dict.fromkeys(r.metric_type for r in eval_results)) or None,
         tags=[t for t in tags if t],
-        model_name=info.model_name if eval_results else None,
+        model_name=info.repo_id if eval_results else None,
         eval_results=eval_results or None,
     )
     # Redact the whole text (YAML included): the command line and recipe can carry a token.
@@ -219,7 +282,36 @@ def reproduce_command(strategy, argv: list[str]) -> str:
     return " ".join([launcher, "run_image_classification.py", *map(shlex.quote, argv)])
 
 
-def card_info(args, plan, argv, splits, results, reports, finetune, images_per_second) -> CardInfo:
+def _versions(strategy, lora: bool) -> dict[str, str]:
+    names = ["transformers", "torch", "datasets", "accelerate"] + ["deepspeed"] * strategy.deepspeed + ["peft"] * lora
+    found = {}
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
+
+
+def _limitations(splits, dataset: str, evaluated: str | None) -> list[str]:
+    count = len(splits.label_names)
+    trained = f"{len(splits.train):,} images of {dataset}" if splits.train else dataset
+    split = getattr(splits, evaluated, None) if evaluated else None
+    scope = f"evaluated on its {evaluated} split ({len(split):,} images)" if split else "not evaluated"
+    lines = [f"Trained on {trained} and {scope}: how it does on images from other sources is not measured."]
+    if getattr(splits, "multi_label", False):
+        lines.append(
+            f"It scores each of the {count} labels on its own; a label counts as present above the threshold."
+        )
+    else:
+        lines.append(f"It always answers with one of its {count} classes, also for an image that shows none of them.")
+    if splits.storage_shape:
+        size = "x".join(map(str, splits.storage_shape))
+        lines.append(f"Images were stored at {size} pixels before training: it never saw finer detail than that.")
+    if any("carved out of train" in note for note in splits.notes):
+        lines.append("Validation images were carved out of train (see Data): they come from the same source as train.")
+    return lines
+
+
+def card_info(args, plan, argv, splits, results, reports, finetune, images_per_second, history=()) -> CardInfo:
     model_source = args.model.model_name_or_path
     is_hub = lambda name: bool(name) and not os.path.exists(os.path.expanduser(name))  # noqa: E731
     dataset_id, _ = resolve_source(args.data.dataset_name or "")
@@ -239,15 +331,21 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "gradient_checkpointing": training.gradient_checkpointing,
         "label_smoothing": training.label_smoothing_factor,
         "class_weights": args.augment.class_weights,
+        "multi_label_threshold": args.data.multi_label_threshold if splits.multi_label else None,
         **{name: getattr(args.augment, name) for name in augment},
         "storage_size": "x".join(map(str, splits.storage_shape)),
         "seed": training.seed,
     }
+    repo_id = training.hub_model_id or f"<user>/{os.path.basename(os.path.abspath(training.output_dir))}"
+    dataset_name = dataset_id if is_hub(dataset_id) else os.path.basename(os.path.abspath(dataset_id))
+    prefixes = {"test": "test_", "validation": "eval_"}
+    evaluated = next((split for split, p in prefixes.items() if any(k.startswith(p) for k in results)), None)
     return CardInfo(
-        model_name=training.hub_model_id or os.path.basename(os.path.abspath(training.output_dir)),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
         base_model=model_source if is_hub(model_source) else None,
         base_model_source=model_source,  # None: trained from scratch
-        dataset_id=dataset_id if is_hub(dataset_id) else os.path.basename(os.path.abspath(dataset_id)),
+        dataset_id=dataset_name,
         dataset_is_hub=is_hub(dataset_id),
         label_names=splits.label_names,
         validation_metrics={k: v for k, v in results.items() if k.startswith("eval_")},
@@ -259,8 +357,14 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         hardware=hardware_description(),
         throughput=images_per_second,
         per_class_markdown=reports.get("markdown"),
-        confusion_matrix_file=os.path.basename(reports["confusion_matrix"]) if reports else None,
+        confusion_matrix_file=os.path.basename(reports["confusion_matrix"]) if "confusion_matrix" in reports else None,
+        multi_label=splits.multi_label,
+        imbalance=imbalance(splits),
+        worst_recall=reports.get("worst_recall", []),
         data_notes=list(splits.notes),
+        eval_history=[e for e in history if "eval_loss" in e],
+        versions=_versions(plan.strategy, args.lora.method != "full"),
+        limitations=_limitations(splits, dataset_name, evaluated),
         # hyperparameters, the method's included; LoRA adapters: library peft, tags
         **finetune.card_fields({k: v for k, v in hyperparameters.items() if v is not None}),
     )

@@ -251,24 +251,25 @@ def deepspeed_checkpoint_world_size(checkpoint: str | os.PathLike) -> int | None
 
 
 def check_resume(strategy, checkpoint: str | None) -> None:
-    """A DeepSpeed checkpoint resumes only under DeepSpeed and with the world size that wrote it."""
+    """A DeepSpeed checkpoint resumes only under DeepSpeed; ZeRO-1/2 on any process count (plan.configure converts
+    it), ZeRO-3 on its own: its universal conversion resumed the first step exactly, then drifted from the run."""
     if not checkpoint:
         return
     saved = deepspeed_checkpoint_world_size(checkpoint)
     if saved is not None and not strategy.deepspeed:
         raise RecipeError(
             f"{checkpoint} is a DeepSpeed checkpoint ({saved} processes): resume it with the same DeepSpeed "
-            "config and process count, or start a fresh run in another --output_dir"
+            "config, or start a fresh run in another --output_dir"
         )
     if saved is None and strategy.deepspeed and (Path(checkpoint) / "trainer_state.json").is_file():
         raise RecipeError(
             f"{checkpoint} was not written by DeepSpeed: resume it with the strategy that wrote it, or start a "
             "fresh run in another --output_dir"
         )
-    if saved is not None and saved != strategy.world_size:
+    if saved not in (None, strategy.world_size) and strategy.zero_stage == 3:
         raise RecipeError(
-            f"{checkpoint} was written by {saved} DeepSpeed processes and this run has {strategy.world_size}: ZeRO "
-            f"shards cannot be re-split on resume. Launch {saved} processes, or convert it first with "
+            f"{checkpoint} was written by {saved} ZeRO-3 processes and this run has {strategy.world_size}: ZeRO-3 "
+            f"resumes on the process count that wrote it. Launch {saved} processes, or convert it with "
             f"`python {checkpoint}/zero_to_fp32.py` and fine-tune from the result in a new --output_dir"
         )
 

@@ -41,6 +41,7 @@ VALIDATION_SPLITS = ("validation", "valid", "val", "dev")
 PIXELS, LABELS = "pixels", "labels"  # the two columns the DataLoader reads
 LABELS_FILE = "labels.json"  # next to a model: write_labels, labels_of_model
 LABEL_TYPES = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string, pa.types.is_boolean)
+SINGLE_LABEL, MULTI_LABEL = "single_label_classification", "multi_label_classification"  # config.problem_type
 HUB_HINT = "if you are offline, pass a local path (imagefolder, parquet/arrow or save_to_disk) or try `make demo`"
 
 
@@ -58,6 +59,7 @@ class ImageSplits:
     white: float = 255.0  # the pixel value high-bit-depth images scale to 255 (images.white_level)
     skipped: dict[str, list[dict]] = field(default_factory=dict)  # split -> [{row, image, problem}]
     notes: list[str] = field(default_factory=list)  # every change made to the user's data, for the log and the card
+    multi_label: bool = False  # labels are multi-hot float32 vectors, not class ids
 
     def present(self) -> dict[str, Dataset]:
         return {n: d for n, d in (("train", self.train), ("validation", self.validation), ("test", self.test)) if d}
@@ -117,23 +119,38 @@ def find_column(features: datasets.Features, requested: str | None, preset: str 
     raise RecipeError(f"no {kind} column found; columns are: {', '.join(features)}; pass --{kind}_column_name")
 
 
-def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, list[str], str]:
-    """Map the label column to integer ids in a ClassLabel column named `labels`: ClassLabel names as they are, other
-    integer or string labels sorted and numbered, so the mapping is the same on every run and machine."""
+def encode_labels(
+    dataset_dict: DatasetDict, column: str, problem_type: str | None = None
+) -> tuple[DatasetDict, list[str], str, bool]:
+    """Map the label column to a column `labels`: integer ids in a ClassLabel, or multi-hot float32 vectors when the
+    column holds lists of labels or problem_type asks for multi-label. Names: a ClassLabel's as they are, other integer
+    or string labels sorted, so the mapping is the same on every run and machine. Returns (splits, names, source,
+    multi_label)."""
     feature = next(iter(dataset_dict.values())).features[column]
     values = {split: d.data.column(column) for split, d in dataset_dict.items()}
+    listed = any(pa.types.is_list(a.type) or pa.types.is_large_list(a.type) for a in values.values())
+    if listed:
+        if problem_type == SINGLE_LABEL:
+            raise RecipeError(
+                f"label column '{column}' holds lists of labels (multi-label): drop --problem_type {SINGLE_LABEL} "
+                "or pass a column with one label per image"
+            )
+        for split, array in values.items():
+            if array.null_count:
+                raise RecipeError(f"split '{split}' has {array.null_count} rows without a label list in '{column}'")
+        feature, values = getattr(feature, "feature", None), {s: pc.list_flatten(a) for s, a in values.items()}
+    elif problem_type == MULTI_LABEL:
+        logger.warning("--problem_type %s: every image has one label, trained as an independent sigmoid", MULTI_LABEL)
     if isinstance(feature, ClassLabel):
-        names = list(feature.names)
+        names, lookup, source = list(feature.names), None, "ClassLabel"
         for split, array in values.items():  # load_splits has rejected empty splits
             low, high = pc.min(array).as_py(), pc.max(array).as_py()
-            if low is None or low < 0 or high >= len(names):
+            if len(array) and (low is None or low < 0 or high >= len(names)):
                 bad = low if low is None or low < 0 else high
                 raise RecipeError(
                     f"split '{split}' has label {bad} outside 0..{len(names) - 1} in column '{column}' "
                     f"(unlabelled rows?); drop them or pass a labelled split"
                 )
-        encoded = dataset_dict
-        source = "ClassLabel"
     else:
         kinds = {split: array.type for split, array in values.items()}
         if len({str(t) for t in kinds.values()}) > 1:
@@ -157,18 +174,31 @@ def encode_labels(dataset_dict: DatasetDict, column: str) -> tuple[DatasetDict, 
                 raise RecipeError(f"split '{split}' has {array.null_count} rows without a label in '{column}'")
             uniques.update(pc.unique(array).to_pylist())
         ordered = sorted(uniques)
-        names = [str(v) for v in ordered]
+        names, source = [str(v) for v in ordered], "sorted values"
         lookup = {v: i for i, v in enumerate(ordered)}
+    if len(names) < 2:
+        raise RecipeError(f"label column '{column}' has {len(names)} class(es); classification needs at least 2")
+    if listed or problem_type == MULTI_LABEL:
+
+        def multi_hot(batch):
+            hot = np.zeros((len(batch[column]), len(names)), dtype=np.float32)
+            for i, row in enumerate(batch[column]):
+                hot[i, [v if lookup is None else lookup[v] for v in (row if listed else [row])]] = 1
+            return {column: hot}
+
+        features = next(iter(dataset_dict.values())).features.copy()
+        features[column] = datasets.Sequence(Value("float32"), length=len(names))
+        encoded = dataset_dict.map(multi_hot, batched=True, features=features, desc="Mapping labels to multi-hot rows")
+    elif lookup is None:
+        encoded = dataset_dict
+    else:
         encoded = dataset_dict.map(
             lambda batch: {column: [lookup[v] for v in batch[column]]}, batched=True, desc="Mapping labels to ids"
         ).cast_column(column, ClassLabel(names=names))
-        source = "sorted values"
-    if len(names) < 2:
-        raise RecipeError(f"label column '{column}' has {len(names)} class(es); classification needs at least 2")
     if column != LABELS:
         clash = [LABELS] if LABELS in next(iter(encoded.values())).features else []
         encoded = encoded.remove_columns(clash).rename_column(column, LABELS)
-    return encoded, names, source
+    return encoded, names, source, listed or problem_type == MULTI_LABEL
 
 
 def _split(dataset_dict: DatasetDict, requested: str | None, aliases: tuple[str, ...], kind: str) -> str | None:
@@ -217,7 +247,8 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
             raise RecipeError(
                 f"column '{image_column}' does not hold images ({features[image_column]}): {first_line(err)}"
             ) from None
-    dataset_dict, names, source_kind = encode_labels(dataset_dict, label_column)
+    problem_type = getattr(data_args, "problem_type", None)
+    dataset_dict, names, source_kind, multi = encode_labels(dataset_dict, label_column, problem_type)
 
     train, validation, test = (dataset_dict[n] if n else None for n in (train_name, val_name, test_name))
     notes: list[str] = []
@@ -230,7 +261,7 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     if data_args.max_eval_samples:
         validation = validation and sample(validation, data_args.max_eval_samples, seed, "validation", notes)
         test = test and sample(test, data_args.max_eval_samples, seed, "test", notes)
-    return ImageSplits(train, validation, test, image_column, names, source_kind, notes=notes)
+    return ImageSplits(train, validation, test, image_column, names, source_kind, notes=notes, multi_label=multi)
 
 
 def write_labels(splits: ImageSplits, output_dir: str) -> None:
@@ -243,12 +274,13 @@ def labels_of_model(model_path: str | None, config) -> ImageSplits:
     """Predict-only runs (no dataset): the labels a model was trained with, and how its images were stored, from
     its labels.json (else the config's id2label; storage is then decided from the images to predict)."""
     record = Path(model_path or "").expanduser() / LABELS_FILE
+    multi = getattr(config, "problem_type", None) == MULTI_LABEL
     if record.is_file():
         saved = json.loads(record.read_text())
-        shape = tuple(saved["storage_shape"])
-        return ImageSplits(None, None, None, PIXELS, saved["names"], saved["source"], shape, saved.get("white", 255.0))
+        shape, white = tuple(saved["storage_shape"]), saved.get("white", 255.0)
+        return ImageSplits(None, None, None, PIXELS, saved["names"], saved["source"], shape, white, multi_label=multi)
     names = [str(config.id2label.get(i, i)) for i in range(config.num_labels)]
-    return ImageSplits(None, None, None, PIXELS, names, "the model's config")
+    return ImageSplits(None, None, None, PIXELS, names, "the model's config", multi_label=multi)
 
 
 def resolve_paths(dataset_dict: DatasetDict, column: str, source: Path) -> DatasetDict:
@@ -269,12 +301,16 @@ def sample(split: Dataset, cap: int, seed: int, name: str, notes: list[str]) -> 
     try:
         kept = split.train_test_split(train_size=cap, seed=seed, stratify_by_column=LABELS)["train"]
         how = "stratified"
-    except ValueError:  # a class with a single row, or fewer rows than classes: stratification is impossible
+    except ValueError:  # multi-label, a class with a single row, or fewer rows than classes: cannot stratify
         kept = split.shuffle(seed=seed).select(range(cap))
-        how = "not stratified: some class is too small"
+        how = "not stratified: " + ("some class is too small" if _single(split) else "multi-label")
     notes.append(f"{name}: a sample of {cap} of its {len(split)} images (seed {seed}, {how})")
     logger.warning("Sampled %d of %d %s images (seed %d, %s)", cap, len(split), name, seed, how)
     return kept
+
+
+def _single(split: Dataset) -> bool:
+    return isinstance(split.features[LABELS], ClassLabel)
 
 
 def carve_validation(
@@ -290,9 +326,9 @@ def carve_validation(
     try:
         carved = train.train_test_split(test_size=size, seed=seed, stratify_by_column=LABELS)
         how = "stratified"
-    except ValueError:  # some class has a single image: stratification is impossible
+    except ValueError:  # multi-label, or some class has a single image: stratification is impossible
         carved = train.train_test_split(test_size=size, seed=seed)
-        how = "not stratified: some class has fewer than 2 images"
+        how = "not stratified: " + ("some class has fewer than 2 images" if _single(train) else "multi-label")
     notes.append(f"validation: {size} of the {len(train)} train images, carved out of train (seed {seed}, {how})")
     logger.warning(
         "No validation split: carved %d of %d train images into one (seed %d, %s)", size, len(train), seed, how
@@ -425,14 +461,42 @@ def decode_splits(
             skipped[name] = skipped_here
     train, validation, test = (decoded.get(name) for name in ("train", "validation", "test"))
     names, source = splits.label_names, splits.label_source
-    return ImageSplits(train, validation, test, PIXELS, names, source, storage.shape, storage.white, skipped, notes)
+    shape, white, multi = storage.shape, storage.white, splits.multi_label
+    return ImageSplits(train, validation, test, PIXELS, names, source, shape, white, skipped, notes, multi)
 
 
 def balanced_weights(splits: ImageSplits) -> torch.Tensor:
-    """Inverse class frequency in train (scikit-learn's "balanced"): every class weighs the same in the loss."""
-    counts = np.bincount(splits.train[LABELS], minlength=len(splits.label_names))
+    """Inverse class frequency in train (scikit-learn's "balanced"): every class weighs the same in the loss.
+    Multi-label: BCE's pos_weight, negatives / positives per class: a class's positives weigh as much as its negatives."""
+    if splits.multi_label:
+        positives = splits.train.select_columns(LABELS).with_format("numpy")[:][LABELS].sum(0)
+        weights = (len(splits.train) - positives) / np.maximum(positives, 1)
+        logger.warning("--class_weights balanced: positive weights %.3g to %.3g", weights.min(), weights.max())
+        return torch.tensor(weights, dtype=torch.float32)
+    counts = class_counts(splits)
     logger.warning("--class_weights balanced: train has %d to %d images per class", counts.min(), counts.max())
     return torch.tensor(counts.sum() / (len(counts) * np.maximum(counts, 1)), dtype=torch.float32)
+
+
+def class_counts(splits: ImageSplits) -> np.ndarray:
+    return np.bincount(splits.train[LABELS], minlength=len(splits.label_names))
+
+
+def balanced_sample_weights(splits: ImageSplits) -> torch.Tensor:
+    """One weight per training image, 1 / its class's count: a weighted sampler then draws every class equally."""
+    if splits.multi_label:
+        raise RecipeError("--class_weights balanced_sampler needs one label per image; multi-label runs: balanced")
+    counts = class_counts(splits)
+    logger.warning("--class_weights balanced_sampler: train has %d to %d images per class", counts.min(), counts.max())
+    return torch.tensor(1.0 / np.maximum(counts, 1), dtype=torch.float64)[np.asarray(splits.train[LABELS])]
+
+
+def imbalance(splits: ImageSplits) -> tuple[int, int] | None:
+    """(fewest, most) training images per class when the most is over 1.5x the fewest; None when balanced enough."""
+    if splits.multi_label or not splits.train:
+        return None
+    counts = class_counts(splits)
+    return (int(counts.min()), int(counts.max())) if counts.max() > 1.5 * counts.min() else None
 
 
 def write_skipped(splits: ImageSplits, output_dir: str) -> None:
@@ -451,6 +515,7 @@ class PixelCollator:
         buffer = b"".join(row[PIXELS] for row in rows)
         pixels = np.frombuffer(buffer, dtype=np.uint8).reshape(len(rows), 3, *self.shape)
         batch = {"pixel_values": torch.from_numpy(pixels.copy())}
-        if LABELS in rows[0]:
-            batch["labels"] = torch.tensor([row[LABELS] for row in rows], dtype=torch.long)
+        if LABELS in rows[0]:  # class ids, or multi-hot float32 vectors (multi-label)
+            labels = [row[LABELS] for row in rows]
+            batch["labels"] = torch.tensor(labels, dtype=torch.float32 if isinstance(labels[0], list) else torch.long)
         return batch

@@ -37,11 +37,9 @@ def forward_flops(config) -> float:
 
 
 def training_flops_per_image(config, gradient_checkpointing: bool, method: str = "full") -> float:
-    """Forward + backward FLOPs per training image, for MFU.
-
-    Backward is twice the forward (input and weight gradients); checkpointing recomputes the forward once more. A
-    frozen backbone (LoRA) computes no weight gradients, and head-only training does not backpropagate through it.
-    """
+    """Forward + backward FLOPs per training image, for MFU. Backward is twice the forward (input and weight
+    gradients) and checkpointing recomputes the forward; a frozen backbone (LoRA) computes no weight gradients, and
+    head-only training does not backpropagate through it."""
     forward = forward_flops(config)
     if method == "head":
         return forward

@@ -1,15 +1,9 @@
-"""FP8 matmuls for training (`--fp8`): torchao's float8 linear layers in the transformer.
-
-Each converted `nn.Linear` keeps its fp32/bf16 weight (the optimizer and the saved model do not change) and runs
-its three matmuls (forward, input gradient, weight gradient) in FP8 with per-tensor scales, which Hopper-class GPUs
-execute at twice the bf16 rate. Left in higher precision: the classifier head (small, and closest to the loss),
-LoRA's low-rank adapters (rank-16 matmuls gain nothing) and any layer whose sizes are not multiples of 16 (an FP8
-matmul needs them). On a CPU the FP8 arithmetic is emulated: same numerics, no speed-up (what the tests use).
-
-On GPUs losses match bf16 and peak memory falls, but ViT-B and ViT-H train slower: at 768-1,280-wide layers the
-per-tensor scaling passes and casts cost more than the faster matmuls save (docs/benchmarks.md). Off by default;
-meant for wider models and for memory. checks.py refuses it where it does not apply.
-"""
+"""FP8 matmuls for training (`--fp8`): torchao's float8 linear layers, which keep their fp32/bf16 weights (the
+optimizer and saved model do not change) and run their three matmuls in FP8 with per-tensor scales. Left in higher
+precision: the classifier head (small, closest to the loss), LoRA's adapters (rank-16 matmuls gain nothing) and
+layers with sizes not multiples of 16 (FP8 matmuls need them). On a CPU, FP8 is emulated (what the tests use).
+Off by default: ViT-B and ViT-H train slower with it, the scaling passes costing more than the faster matmuls save
+(docs/benchmarks.md); meant for wider models and for memory."""
 
 from __future__ import annotations
 

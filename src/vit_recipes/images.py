@@ -1,8 +1,6 @@
-"""Decoding one image into the uint8 CHW array the DataLoader delivers.
-
-Every PIL mode is converted as transformers' `convert_to_rgb` does (alpha composited on white), so the saved image
-processor sees the pixels the script trained on. High-bit-depth greyscale (16-bit, 12-bit in a 16-bit file, 32-bit,
-float) is scaled to 8 bits by one white level for the whole dataset (data.py finds it), never per image.
+"""Decoding one image into the uint8 CHW array the DataLoader delivers. Every PIL mode is converted as transformers'
+`convert_to_rgb` does (alpha composited on white), so the saved image processor sees the pixels the script trained
+on. High-bit-depth greyscale is scaled to 8 bits by one white level for the whole dataset (data.py), never per image.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ def white_level(peak: float) -> float:
 
 
 def to_rgb(image: Image.Image, white: float | None = None) -> Image.Image:
-    """Any PIL mode to RGB, matching transformers.image_transforms.convert_to_rgb for the common modes.
-
-    High-bit-depth greyscale is scaled by 255 / `white` (default: this image's own bit depth, `white_level`)."""
+    """Any PIL mode to RGB, as transformers.image_transforms.convert_to_rgb converts the common modes; high-bit-depth
+    greyscale is scaled by 255 / `white` (default: this image's own bit depth, `white_level`)."""
     image = ImageOps.exif_transpose(image)
     if image.mode == "RGB":
         return image

@@ -34,15 +34,15 @@ def visible_gpus() -> int:
 
 
 def check_processes(use_cpu: bool) -> None:
-    """Process count against GPUs, from the launcher's environment alone (before the process group starts)."""
-    world = env_int("WORLD_SIZE")
-    local = env_int("LOCAL_WORLD_SIZE", default=world)
+    """Processes per machine (LOCAL_WORLD_SIZE; deepspeed's: LOCAL_SIZE) against GPUs, before the process group."""
+    world, local = env_int("WORLD_SIZE"), env_int("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE")
     if world <= 1 or use_cpu or is_true(os.environ.get("ACCELERATE_USE_CPU")):
         return
     if (gpus := visible_gpus()) == 0:
         raise RecipeError(
             f"{world} processes were launched but this machine has no GPU: each would train alone on the CPU. "
-            "Pass --use_cpu true to train on CPU processes (gloo), or launch on a machine with GPUs"
+            "For N CPU processes over gloo pass --use_cpu true to the script and --num_processes N to accelerate "
+            "(--num_gpus N to deepspeed), or launch on a machine with GPUs"
         )
     if local > gpus:
         raise RecipeError(

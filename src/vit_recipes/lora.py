@@ -187,10 +187,9 @@ def attach_adapter(base: nn.Module, path: str | os.PathLike, is_trainable: bool 
                 base, str(path), is_trainable=is_trainable, autocast_adapter_dtype=not zero3
             )
         except (RuntimeError, ValueError, KeyError) as err:
-            first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
             raise RecipeError(
                 f"cannot load the adapter in {path} onto {base_source} (not the base it was trained on?): "
-                f"{first[:300]}"
+                f"{first_line(err)}"
             ) from None
     for warning in caught:
         text = str(warning.message)

@@ -1,9 +1,6 @@
-"""The host memory an offloading strategy needs for the model a run trains, from the model's config alone.
-
-The model is built on the meta device (no weights); accelerate's `calculate_maximum_sizes` gives its size and
-largest layer, DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`) ZeRO's host figures. The run's
-offload check (checks.py) reads them; the memory advisor (tools/advise.py) builds on them.
-"""
+"""The host memory an offloading strategy needs for the model a run trains, from its config alone: the model built
+on the meta device gives its size and largest layer, DeepSpeed's own estimators ZeRO's host figures. The run's
+offload check (checks.py) reads them; the memory advisor (tools/advise.py) builds on them."""
 
 from __future__ import annotations
 
@@ -56,16 +53,23 @@ def model_size(config) -> tuple[int, int]:
     return params, int(round(largest_bytes * params / max(1, total_bytes)))  # bytes -> elements of the meta model
 
 
+def config_from_args(model_args):
+    """The config the script builds from, and whether weights come from a checkpoint."""
+    if model_args.model_name_or_path:
+        return load_config(model_args.model_name_or_path, model_args.cache_dir, model_args.model_revision), True
+    config = load_config(model_args.config_name)
+    if model_args.config_overrides:
+        try:
+            config.update_from_string(model_args.config_overrides)
+        except ValueError as err:
+            raise RecipeError(f"bad --config_overrides: {err}") from None
+    return config, False
+
+
 def model_size_from_args(model_args) -> tuple[int, int] | None:
     """`model_size` of the model the script will train (None when its config cannot be read yet)."""
     try:
-        if model_args.model_name_or_path:
-            config = load_config(model_args.model_name_or_path, model_args.cache_dir, model_args.model_revision)
-        else:
-            config = load_config(model_args.config_name)
-            if model_args.config_overrides:
-                config.update_from_string(model_args.config_overrides)
-        return model_size(config)
+        return model_size(config_from_args(model_args)[0])
     except (RecipeError, ValueError, OSError, AttributeError):
         return None
 

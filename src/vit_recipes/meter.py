@@ -1,15 +1,9 @@
-"""One meter for training speed and memory: per-log figures for every tracker, steady-state figures for the run.
+"""One meter for training speed and memory: per-log figures for every tracker (`extend_logs`), steady-state
+figures for the run (`metrics`); docs/observability.md lists them.
 
 `SpeedMeter` times the wall clock between optimizer steps and the part the loop spent waiting for data
 (ImageClassificationTrainer.get_batch_samples reports it through `add_data_wait`). Intervals that span evaluation,
-saving, an epoch start or a profiler export are dropped. From the same intervals it reports:
-
-- `extend_logs`, per training log (TensorBoard shows them as train/<key>): images_per_second (all ranks together),
-  step_time_s, data_wait_fraction, mfu (when the GPU's peak is known), and per rank r: gpu_mem_allocated_gib_rank{r},
-  gpu_mem_reserved_gib_rank{r}, gpu_mem_peak_gib_rank{r} on GPUs, cpu_peak_rss_gib_rank{r} on CPUs;
-- `metrics`, at the end of the run (all_results.json), over the steps after warm-up: train_images_per_second,
-  train_step_time_s, train_time_20_steps_s, train_data_wait_fraction, train_mfu, and on GPUs
-  train_peak_allocated_gib / train_peak_reserved_gib.
+saving, an epoch start or a profiler export are dropped.
 """
 
 from __future__ import annotations

@@ -15,24 +15,30 @@ if TYPE_CHECKING:
 METRIC_PATH = str(Path(__file__).resolve().parent / "metric" / "classification")  # a folder with classification.py
 
 
-def load_metric() -> evaluate.EvaluationModule:
+def load_metric(multi_label: bool = False) -> evaluate.EvaluationModule:
     """Load the classification metric by path: no Hub access, so it works with HF_HUB_OFFLINE=1."""
     import evaluate  # here, not at import: ~0.6 s of every process's start-up, needed only at evaluation
 
-    return evaluate.load(METRIC_PATH, keep_in_memory=True)  # no Arrow cache files: runs sharing a cache never clash
+    # keep_in_memory: no Arrow cache files, so runs sharing a cache never clash
+    return evaluate.load(METRIC_PATH, "multilabel" if multi_label else None, keep_in_memory=True)
 
 
-def make_compute_metrics(metric: evaluate.EvaluationModule | None = None) -> Callable[[EvalPrediction], dict]:
-    """The Trainer's `compute_metrics` (logits, label ids -> floats); the metric module loads at the first evaluation."""
+def make_compute_metrics(
+    metric: evaluate.EvaluationModule | None = None, multi_label: bool = False, threshold: float = 0.5
+) -> Callable[[EvalPrediction], dict]:
+    """The Trainer's `compute_metrics` (logits, label ids or multi-hot rows -> floats); the metric module loads at the
+    first evaluation. Multi-label: a class is predicted when its sigmoid is >= threshold."""
 
     def compute_metrics(eval_pred: EvalPrediction) -> dict[str, float]:
         nonlocal metric
         if metric is None:
-            metric = load_metric()
+            metric = load_metric(multi_label)
         logits = eval_pred.predictions
         if isinstance(logits, (tuple, list)):  # asked for hidden states or attentions: the logits come first
             logits = logits[0]
         logits = np.asarray(logits)
+        if multi_label:
+            return metric.compute(predictions=logits, references=eval_pred.label_ids, threshold=threshold)
         scores = metric.compute(predictions=logits, references=np.asarray(eval_pred.label_ids).reshape(-1))
         if logits.shape[-1] <= 5:  # with 5 classes or fewer every top 5 holds the answer: the figure says nothing
             scores.pop("top5_accuracy", None)

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors import SafetensorError
-from torch import nn
 from transformers import AutoImageProcessor, AutoModelForImageClassification, PretrainedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
 )
+from transformers.utils import logging as hf_logging
 
 from .arguments import LoraArguments, ModelArguments
 from .errors import RecipeError, first_line
@@ -33,7 +33,7 @@ from .lora import (
     is_adapter_dir,
     unwrap,
 )
-from .memory import load_config
+from .memory import config_from_args
 from .patch_embedding import use_patch_matmul
 
 try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way
@@ -44,19 +44,6 @@ except ImportError:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)  # ViT's own normalisation
-
-
-def _load_config(model_args) -> tuple[PretrainedConfig, bool]:
-    """The config to build from, and whether weights come from a checkpoint."""
-    if model_args.model_name_or_path:
-        return load_config(model_args.model_name_or_path, model_args.cache_dir, model_args.model_revision), True
-    config = load_config(model_args.config_name)
-    if model_args.config_overrides:
-        try:
-            config.update_from_string(model_args.config_overrides)
-        except ValueError as err:
-            raise RecipeError(f"bad --config_overrides: {err}") from None
-    return config, False
 
 
 def check_config(config: PretrainedConfig, source: str) -> int:
@@ -77,7 +64,7 @@ def check_config(config: PretrainedConfig, source: str) -> int:
 
 def build_model(model_args, label_names: list[str]):
     """The classification model with a head for `label_names`, and its resolution."""
-    config, pretrained = _load_config(model_args)
+    config, pretrained = config_from_args(model_args)
     source = model_args.model_name_or_path or model_args.config_name
     id2label, count = dict(enumerate(label_names)), len(label_names)
     old_labels = getattr(config, "num_labels", None)
@@ -98,9 +85,11 @@ def build_model(model_args, label_names: list[str]):
                 if state_dict is not None:  # transformers takes a state_dict instead of a name, not with one
                     model_class = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
                     loader, name, kwargs["state_dict"] = model_class.from_pretrained, None, state_dict
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # transformers' load report (mismatched/new head weights): logged above
         try:
-            model = _quietly(
-                loader, name, revision=revision, cache_dir=cache_dir, ignore_mismatched_sizes=not same_head, **kwargs
+            model = loader(
+                name, revision=revision, cache_dir=cache_dir, ignore_mismatched_sizes=not same_head, **kwargs
             )
         except pickle.UnpicklingError:  # torch's weights_only load refused code in the file: it never ran
             weights = Path(source).expanduser() / "pytorch_model.bin"
@@ -117,35 +106,14 @@ def build_model(model_args, label_names: list[str]):
             ) from None
         except (OSError, SafetensorError) as err:  # a truncated or corrupt weight file
             raise RecipeError(f"cannot read the weights of '{source}': {first_line(err)}") from None
+        finally:
+            hf_logging.set_verbosity(level)
     else:
         model = AutoModelForImageClassification.from_config(**kwargs)
         millions = sum(p.numel() for p in model.parameters()) / 1e6
         logger.info("Training from scratch: %s with %.1fM parameters", config.model_type, millions)
     use_patch_matmul(model, model_args.patch_embedding_matmul)
     return model, image_size
-
-
-def _quietly(fn, *args, **kwargs):
-    """Call fn while transformers' load report (mismatched/new head weights) is silenced: we logged it in one line."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-def parameter_counts(model: nn.Module) -> dict[str, float]:
-    """Trainable and total parameters (ZeRO-3-sharded parameters count in full)."""
-    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
-    total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
-    return {
-        "train_trainable_params": trainable,
-        "train_total_params": total,
-        "train_trainable_percent": round(100 * trainable / max(total, 1), 4),
-    }
 
 
 @dataclass
@@ -178,7 +146,12 @@ class FinetuneSetup:
 
 def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, training_args):
     """Fill in the parameter counts and LoRA settings (for the card), and print the summary line."""
-    setup.metrics = counts = parameter_counts(model)
+    # ZeRO-3-sharded parameters count in full
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
+    total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
+    percent = round(100 * trainable / max(total, 1), 4)
+    counts = {"train_trainable_params": trainable, "train_total_params": total, "train_trainable_percent": percent}
+    setup.metrics = counts
     if setup.method == "lora":
         config = model.peft_config["default"]
         targets = config.target_modules

@@ -1,12 +1,6 @@
 """What a built Trainer reports while it trains: the speed meter in every tracker's logs, final metrics in
-TensorBoard, the PyTorch profiler window (--profile_steps) and DeepSpeed's flops profile.
-
-The profiler records a window of optimizer steps and writes, per rank, `rank{r}.pt.trace.json.gz` (a Chrome trace:
-https://ui.perfetto.dev, HolisticTraceAnalysis, `python benchmarks/trace_analysis.py DIR`) and `rank{r}_ops.txt`
-(key_averages by self time). Labelled regions: `data`, `augment`, `forward`, `backward` (trainer.py) and
-`optimizer_step` (here); communication shows as the backend's own ops and kernels. Steps are the host thread's
-`ProfilerStep#N` spans; the trace's `vit_recipes_profile` metadata maps them to global steps (N + step_offset).
-"""
+TensorBoard, the PyTorch profiler window (--profile_steps) and DeepSpeed's flops profile. The files the profiler
+writes and how to read them: docs/observability.md."""
 
 from __future__ import annotations
 
@@ -26,12 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 class ProfilerCallback(TrainerCallback):
-    """Profile optimizer steps `first`..`last` (1-based, inclusive) on every rank.
-
-    The profiler starts at the end of the step before the window, one warm-up step early when there is one (its
-    events are discarded: starting the profiler is slow), so each profiled step spans end-of-step to end-of-step and
-    includes its data loading. If training ends inside the window, what was recorded is written at train end.
-    """
+    """Profile optimizer steps `first`..`last` (1-based, inclusive) on every rank. The profiler starts one step
+    early to warm up where it can (starting it is slow), and each step spans end-of-step to end-of-step, so it
+    includes its data loading. If training ends inside the window, what was recorded is written at train end."""
 
     def __init__(self, first: int, last: int, output_dir: str, options: dict, pause: list):
         self.first, self.last = first, last

@@ -1,11 +1,7 @@
-"""Patch dropout (`--patch_dropout RATE`): each training image keeps a random subset of its patch tokens.
-
-PatchDropout (Liu et al., WACV 2023; timm's `patch_drop_rate`): after the position embeddings are added, dropping a
-fraction of the patch tokens shortens every encoder layer's sequence, so a step costs about (1 - RATE) of the
-compute, and it regularises like random erasing. The [CLS] token always stays; evaluation and prediction see every
-patch. The kept count is fixed per model, so compiled layers see one shape. A forward hook on the embeddings module
-does it: no weight, state-dict key or saved file changes.
-"""
+"""Patch dropout (`--patch_dropout RATE`; Liu et al., WACV 2023; timm's `patch_drop_rate`): each training image
+keeps a random subset of its patch tokens after the position embeddings, so a step costs about (1 - RATE) of the
+compute, and it regularises like random erasing. The [CLS] token always stays; evaluation sees every patch. The kept
+count is fixed per model, so compiled layers see one shape. A forward hook does it: no weight or saved file changes."""
 
 from __future__ import annotations
 

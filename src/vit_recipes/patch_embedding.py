@@ -1,10 +1,6 @@
-"""The patch embedding as one matmul (`--patch_embedding_matmul`, on by default).
-
-ViT's patch embedding is a Conv2d whose kernel equals its stride: flattening the non-overlapping patches and
-multiplying by the flattened filter computes the same sums as one GEMM, which GPUs run far faster than the strided
-convolution (docs/benchmarks.md). The module keeps its class's parameters and state-dict keys, so checkpoints, LoRA,
-DeepSpeed and FSDP see no difference.
-"""
+"""The patch embedding (a Conv2d whose kernel equals its stride) as one matmul over the flattened patches, which GPUs
+run far faster than the strided convolution (docs/benchmarks.md); `--patch_embedding_matmul`, on by default. The
+module keeps its parameters and state-dict keys, so checkpoints, LoRA, DeepSpeed and FSDP see no difference."""
 
 from __future__ import annotations
 

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from . import strategies
-from .arguments import RunArguments, run_config
-from .checks import check_plan, config_value
+from .arguments import RunArguments, compile_regions, run_config
+from .checks import check_plan, config_value, deepspeed_checkpoint_world_size
 from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
 from .lora import is_adapter_dir
-from .run_dir import OutputState, remove_checkpoints, resolve_output_dir
+from .run_dir import OutputState, remove_checkpoints, resolve_output_dir, to_universal
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,6 @@ def build_plan(args: RunArguments) -> RunPlan:
     identity = {
         **run_config(args),
         "strategy": strategy.name,
-        "world_size": strategy.world_size,
         "global_batch": global_batch,
         "recipe": args.recipe,
     }
@@ -202,6 +201,30 @@ def build_plan(args: RunArguments) -> RunPlan:
         f"{plan.device}, global batch {global_batch}, output dir {plan.output.state}{resumed}"
     )
     return plan
+
+
+def eager_if_compile_fails() -> None:
+    """A part torch.compile cannot compile runs eagerly (dynamo's suppress_errors), said in one warning instead of
+    dynamo's traceback per frame: a slower run beats a crashed one."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+    said = []
+
+    def one_line(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith("WON'T CONVERT"):
+            return True
+        if not said:
+            lines = [line.strip() for line in message.splitlines() if line.strip()]
+            said.append(next((line for line in reversed(lines) if "Error" in line), lines[-1]))
+            logger.warning("torch.compile failed, so this part trains eagerly (slower, same results): %s", said[0])
+        return False
+
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    for old in [f for f in dynamo_log.filters if getattr(f, "__name__", "") == "one_line"]:
+        dynamo_log.removeFilter(old)  # an earlier run's, in this process
+    dynamo_log.addFilter(one_line)
 
 
 def configure(plan: RunPlan, args: RunArguments) -> None:
@@ -227,3 +250,21 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
             t.activation_checkpointing = False
     if strategy.deepspeed:
         bind_deepspeed_comm()
+    auto = t.torch_compile_regions is None and t.do_train and plan.device == "cuda"
+    if auto and strategy.spec.supports("torch_compile_regions"):  # the fast default, where it trains correctly
+        compile_regions(t)
+        logger.info("Regional compilation on (the GPU default; --torch_compile_regions false trains eagerly)")
+    if t.torch_compile:
+        eager_if_compile_fails()
+    saved = plan.resume_from and strategy.deepspeed and deepspeed_checkpoint_world_size(plan.resume_from)
+    if saved and saved != strategy.world_size:
+        logger.warning(
+            "%s was written by %d DeepSpeed processes and this run has %d: resuming it through DeepSpeed's universal "
+            "checkpoint, converted once into that folder",
+            plan.resume_from,
+            saved,
+            strategy.world_size,
+        )
+        with t.main_process_first(local=False, desc="the universal checkpoint"):
+            if t.process_index == 0:
+                to_universal(plan.resume_from)

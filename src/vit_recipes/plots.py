@@ -1,10 +1,6 @@
-"""PNG plots of a run from `trainer.state.log_history` (tools/redraw_plots.py redraws them from trainer_state.json).
-
-- training_curves.png: training loss (and validation loss), learning rate, grad norm;
-- validation_metrics.png: every eval_* metric over steps;
-- throughput.png: images/s, step time, data-wait fraction and memory per rank (from meter.SpeedMeter).
-The confusion matrix is written by reports.py.
-"""
+"""PNG plots of a run from `trainer.state.log_history` (tools/redraw_plots.py redraws them from trainer_state.json):
+training curves, validation metrics, and throughput and memory (meter.SpeedMeter). reports.py draws the confusion
+matrix."""
 
 from __future__ import annotations
 
@@ -66,16 +62,6 @@ def training_entries(history: list[dict]) -> list[dict]:
     return [e for e in history if "loss" in e and "learning_rate" in e]
 
 
-def eval_metric_names(history: list[dict]) -> list[str]:
-    names = []
-    for entry in history:
-        for key, value in entry.items():
-            bookkeeping = key.endswith(_EVAL_BOOKKEEPING) or not isinstance(value, (int, float))
-            if key.startswith("eval_") and not bookkeeping and key not in names:
-                names.append(key)
-    return names
-
-
 def plot_training_curves(history: list[dict], path: str, label_smoothing: float = 0.0) -> str | None:
     train = training_entries(history)
     if not train:
@@ -98,7 +84,8 @@ def plot_training_curves(history: list[dict], path: str, label_smoothing: float 
 
 
 def plot_validation_metrics(history: list[dict], path: str) -> str | None:
-    names = eval_metric_names(history)
+    logged = (k for e in history for k, v in e.items() if k.startswith("eval_") and isinstance(v, (int, float)))
+    names = [key for key in dict.fromkeys(logged) if not key.endswith(_EVAL_BOOKKEEPING)]
     if not names:
         return None
     fig, axes = _grid(len(names))

@@ -1,12 +1,15 @@
-"""End-of-run reports: confusion matrix (PNG) and per-class accuracy (CSV + markdown best/worst tables)."""
+"""End-of-run reports: confusion matrix (PNG) and per-class accuracy (CSV + markdown best/worst tables); multi-label:
+per-class AP, precision, recall and F1 (CSV + markdown) instead."""
 
 import csv
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 
 CSV_FIELDS = ("class_id", "label", "support", "correct", "accuracy")
+MULTI_LABEL_FIELDS = ("class_id", "label", "support", "average_precision", "precision", "recall", "f1")
 MAX_LABELLED_CLASSES = 120  # beyond this, label every n-th class so tick labels never overlap
 MAX_ANNOTATED_CLASSES = 20  # cell counts are only legible on small matrices
 
@@ -82,56 +85,96 @@ def _annotate(ax, matrix: np.ndarray, normalised: np.ndarray, side: float) -> No
             ax.text(j, i, str(count), ha="center", va="center", fontsize=font, color=colour)
 
 
+def per_class_multi_label(logits: np.ndarray, targets: np.ndarray, label_names: list[str], threshold: float) -> list:
+    """One row per class: AP (scikit-learn's average_precision_score; None without a positive), and precision, recall
+    and F1 of `sigmoid >= threshold` (0 where undefined: scikit-learn's zero_division=0)."""
+    truth, predicted = targets > 0.5, logits >= np.log(threshold / (1 - threshold))
+    order = np.argsort(-logits, axis=0, kind="stable")
+    ranked, hits = np.take_along_axis(logits, order, 0), np.take_along_axis(truth, order, 0)
+    rank = np.arange(1, len(logits) + 1)[:, None]
+    last = np.append(ranked[:-1] != ranked[1:], [[True] * ranked.shape[1]], axis=0)  # the last row of each tie
+    group_end = np.minimum.accumulate(np.where(last, rank - 1, len(rank) - 1)[::-1], axis=0)[::-1]
+    found = (hits * np.take_along_axis(hits.cumsum(0) / rank, group_end, 0)).sum(0)  # precision where recall grows
+    tp, support, flagged = (predicted & truth).sum(0), truth.sum(0), predicted.sum(0)
+    ratio = lambda a, b: np.divide(a, b, out=np.zeros(len(b)), where=b > 0)  # noqa: E731
+    scores = zip(ratio(found, support), ratio(tp, flagged), ratio(tp, support), ratio(2 * tp, support + flagged))
+    return [
+        {"class_id": i, "label": name, "support": int(n)}
+        | dict(zip(MULTI_LABEL_FIELDS[3:], map(float, row)))
+        | ({} if n else {"average_precision": None})
+        for i, (name, n, row) in enumerate(zip(label_names, support, scores))
+    ]
+
+
 def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
-    """Markdown with the best and worst top_n classes by accuracy (ties by class id), or all when few."""
-    scored = [row for row in rows if row["accuracy"] is not None]
-    best = sorted(scored, key=lambda row: (-row["accuracy"], row["class_id"]))
-    total, correct = sum(row["support"] for row in rows), sum(row["correct"] for row in rows)
-    overall = f"{correct / total:.2%}" if total else "n/a"
-    lines = [f"## Per-class accuracy ({split})", "", f"Accuracy {overall} on {total} samples, {len(rows)} classes."]
+    """Markdown with the best and worst top_n classes by accuracy, or AP for multi-label rows (ties by class id), or
+    all when few."""
+    key = "average_precision" if rows and "average_precision" in rows[0] else "accuracy"
+    scored = [row for row in rows if row[key] is not None]
+    best = sorted(scored, key=lambda row: (-row[key], row["class_id"]))
+    total = sum(row["support"] for row in rows)
+    if key == "accuracy":
+        overall = f"{sum(row['correct'] for row in rows) / total:.2%}" if total else "n/a"
+        lines = [
+            f"## Per-class accuracy ({split})",
+            "",
+            f"Accuracy {overall} on {total} samples, {len(rows)} classes.",
+        ]
+        header, missing, fields = "| Class | Accuracy | Support |\n|---|---:|---:|", "samples", ()
+    else:
+        mean = f"{np.mean([row[key] for row in scored]):.4f}" if scored else "n/a"
+        lines = [f"## Per-class results ({split})", "", f"mAP {mean} over {len(scored)} of {len(rows)} classes."]
+        header = "| Class | AP | Precision | Recall | F1 | Positives |\n|---|---:|---:|---:|---:|---:|"
+        missing, fields = "positives", MULTI_LABEL_FIELDS[3:]
     if len(scored) < len(rows):
-        lines.append(f"{len(rows) - len(scored)} classes have no samples in this split and are not ranked.")
+        lines.append(f"{len(rows) - len(scored)} classes have no {missing} in this split and are not ranked.")
     if len(scored) <= 2 * top_n:  # best and worst tables would overlap
         sections = [("All classes, best first", best)]
     else:
-        worst = sorted(scored, key=lambda row: (row["accuracy"], row["class_id"]))
+        worst = sorted(scored, key=lambda row: (row[key], row["class_id"]))
         sections = [(f"Best {top_n} classes", best[:top_n]), (f"Worst {top_n} classes", worst[:top_n])]
     for heading, section in sections:
-        lines += ["", f"### {heading}", "", "| Class | Accuracy | Support |", "|---|---:|---:|"]
+        lines += ["", f"### {heading}", "", header]
         for row in section:
             label = str(row["label"]).replace("|", "\\|")  # a pipe in a name would split the cell
-            lines.append(f"| {label} | {row['accuracy']:.2%} | {row['support']} |")
+            cells = [f"{row[f]:.4f}" for f in fields] or [f"{row['accuracy']:.2%}"]
+            lines.append(f"| {label} | {' | '.join(cells)} | {row['support']} |")
     return "\n".join(lines) + "\n"
 
 
 def write_reports(
-    logits: np.ndarray, labels: np.ndarray, label_names: list[str], output_dir: str, split="test", top_n=10
+    logits, labels, label_names: list[str], output_dir: str, split="test", top_n=10, threshold=0.5
 ) -> dict:
-    """Write the confusion matrix PNG and per-class accuracy CSV/markdown for one split; return their paths."""
-    logits, labels = np.asarray(logits), np.asarray(labels).reshape(-1)
+    """Write the confusion matrix PNG and per-class accuracy CSV/markdown of one split, or for multi-hot labels
+    (multi-label) per-class AP/precision/recall/F1 CSV/markdown (predicted: sigmoid >= threshold); return the paths."""
+    logits, labels = np.asarray(logits), np.asarray(labels)
+    multi = labels.ndim == 2 and labels.shape[1] > 1
+    labels = labels if multi else labels.reshape(-1)
     if logits.ndim != 2 or logits.shape != (len(labels), len(label_names)):
         raise ValueError(
             f"Expected logits of shape (num_samples, num_classes) = ({len(labels)}, {len(label_names)}), "
             f"got {logits.shape}."
         )
     os.makedirs(output_dir, exist_ok=True)
-    predictions = logits.argmax(1)
-    rows = per_class_accuracy(labels, predictions, label_names)
+    stem = os.path.join(output_dir, f"per_class_{'results' if multi else 'accuracy'}_{split}")
+    paths = {"per_class_csv": stem + ".csv", "per_class_markdown": stem + ".md"}
+    if multi:
+        rows = per_class_multi_label(logits, labels, label_names, threshold)
+    else:
+        predictions = logits.argmax(1)
+        rows = per_class_accuracy(labels, predictions, label_names)
+        seen = sorted((r for r in rows if r["accuracy"] is not None), key=lambda r: r["accuracy"])
+        paths["worst_recall"] = [(r["label"], r["accuracy"]) for r in seen[:3]]  # per-class accuracy is recall
+        matrix = confusion_matrix(labels, predictions, len(label_names))
+        paths["confusion_matrix"] = os.path.join(output_dir, f"confusion_matrix_{split}.png")
+        title = f"Confusion matrix ({split}, accuracy {np.trace(matrix) / max(len(labels), 1):.2%})"
+        plot_confusion_matrix(matrix, label_names, paths["confusion_matrix"], title=title)
     markdown = per_class_markdown(rows, split, top_n)
-    matrix = confusion_matrix(labels, predictions, len(label_names))
-    accuracy = float((predictions == labels).mean()) if len(labels) else 0.0
-    paths = {
-        "confusion_matrix": os.path.join(output_dir, f"confusion_matrix_{split}.png"),
-        "per_class_csv": os.path.join(output_dir, f"per_class_accuracy_{split}.csv"),
-        "per_class_markdown": os.path.join(output_dir, f"per_class_accuracy_{split}.md"),
-    }
-    title = f"Confusion matrix ({split}, accuracy {accuracy:.2%})"
-    plot_confusion_matrix(matrix, label_names, paths["confusion_matrix"], title=title)
     with open(paths["per_class_csv"], "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=MULTI_LABEL_FIELDS if multi else CSV_FIELDS)
         writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "accuracy": "" if row["accuracy"] is None else f"{row['accuracy']:.6f}"})
-    with open(paths["per_class_markdown"], "w", encoding="utf-8") as f:
-        f.write(markdown)
+        writer.writerows(
+            {k: "" if v is None else f"{v:.6f}" if isinstance(v, float) else v for k, v in r.items()} for r in rows
+        )
+    Path(paths["per_class_markdown"]).write_text(markdown, encoding="utf-8")
     return {**paths, "markdown": markdown}

@@ -140,6 +140,29 @@ def remove_checkpoints(paths: tuple[str, ...]) -> None:
         logger.warning("--overwrite_output_dir: removed the previous run's %s", path)
 
 
+def to_universal(checkpoint: str | os.PathLike) -> None:
+    """Make a DeepSpeed checkpoint loadable by another process count: DeepSpeed's own converter (ds_to_universal)
+    writes every parameter's fp32 weights and optimizer state whole, beside the ZeRO shards, then `latest_universal`
+    last: its presence marks a finished conversion, so a cut one is redone and a finished one reused."""
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    folder = Path(checkpoint)
+    done = folder / "latest_universal"
+    if done.is_file() and (folder / done.read_text().strip()).is_dir():
+        return
+    tag = (folder / "latest").read_text().strip()
+    out = folder / f"{tag}_universal"
+    shutil.rmtree(out, ignore_errors=True)
+    options = dict(num_extract_workers=min(4, os.cpu_count() or 1), num_merge_workers=1, keep_temp_folder=False)
+    ds_to_universal.main(
+        SimpleNamespace(
+            input_folder=str(folder / tag), output_folder=str(out), strict=True, inject_missing_state=True, **options
+        )
+    )
+
+
 def record_run(output_dir: str, run: dict) -> None:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,11 @@ from .adapters import check_adapter_strategy, drop_zero3_leaf_modules, save_fina
 from .arguments import RunArguments
 from .card import card_info, write_model_card
 from .data import (
+    MULTI_LABEL,
     ImageSplits,
     PixelCollator,
     StorageFormat,
+    balanced_sample_weights,
     balanced_weights,
     decode_split,
     labels_of_model,
@@ -72,8 +74,9 @@ def load_data(args: RunArguments) -> ImageSplits:
     training = args.training
     splits = load_splits(args.data, training.seed, args.model.cache_dir, need_train=training.do_train)
     sizes = ", ".join(f"{n} {len(d)}" for n, d in splits.present().items())
+    kind = f"{'multi' if splits.multi_label else 'single'}-label classification"
     logger.info(
-        f"Dataset {args.data.dataset_name}: {len(splits.label_names)} classes ({splits.label_source}); {sizes}"
+        f"Dataset {args.data.dataset_name}: {len(splits.label_names)} classes ({splits.label_source}), {kind}; {sizes}"
     )
     return splits
 
@@ -98,7 +101,12 @@ def build_trainer(
     """The Trainer with device transforms, metrics, the speed meter, trackers and the profiler window."""
     training = args.training
     train_transform, eval_transform = build_transforms(args.augment, image_size, mean, std)
-    weights = balanced_weights(splits) if args.augment.class_weights == "balanced" and splits.train else None
+    balance = args.augment.class_weights if splits.train else "none"
+    weights = balanced_weights(splits) if balance == "balanced" else None
+    sample_weights = balanced_sample_weights(splits) if balance == "balanced_sampler" else None
+    config = model.config  # problem_type: BCE in the model's own loss, and a sigmoid in pipeline()
+    if splits.multi_label or config.problem_type == MULTI_LABEL:  # a multi-label checkpoint on single-label data
+        config.problem_type = MULTI_LABEL if splits.multi_label else None
     try:
         trainer = ImageClassificationTrainer(
             model=model,
@@ -106,17 +114,18 @@ def build_trainer(
             train_dataset=splits.train,
             eval_dataset=splits.validation,
             data_collator=PixelCollator(splits.storage_shape),  # predicting alone: set by predict_folder
-            compute_metrics=make_compute_metrics(),
+            compute_metrics=make_compute_metrics(None, splits.multi_label, args.data.multi_label_threshold),
             train_transform=train_transform,
             eval_transform=eval_transform,
             mixup=build_mixup(args.augment, len(splits.label_names), training.label_smoothing_factor),
             class_weights=weights,
+            sample_weights=sample_weights,
         )
     except Exception as err:
         if training.push_to_hub:  # the Trainer creates the Hub repository up front
             raise RecipeError(hub_error_message(err, "create the model repository")) from None
         raise
-    trainer.run_identity = plan.identity
+    trainer.run_identity, trainer.threshold = plan.identity, args.data.multi_label_threshold
     check_adapter_strategy(trainer, finetune)  # LoRA under FSDP/ZeRO-3: set-ups that could not save the adapter
     drop_zero3_leaf_modules(trainer, finetune)
     meter = _meter(plan, model, args, finetune.method)
@@ -175,7 +184,8 @@ def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
 
 
 def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, plots: bool) -> dict:
-    """Confusion matrix and per-class accuracy of the last evaluated split; loss/lr/metric/throughput plots."""
+    """Confusion matrix and per-class accuracy (multi-label: per-class AP, precision, recall, F1) of the last evaluated
+    split; loss/lr/metric/throughput plots."""
     reports = {}
     if not trainer.is_world_process_zero():
         return reports
@@ -183,14 +193,16 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, p
     if predictions:
         split, output = predictions
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
-        reports = write_reports(logits, output.label_ids, splits.label_names, output_dir, split=split)
+        names, threshold = splits.label_names, trainer.threshold
+        reports = write_reports(logits, output.label_ids, names, output_dir, split, threshold=threshold)
     if plots:
         write_plots(trainer.state.log_history, output_dir, trainer.args.label_smoothing_factor)
     return reports
 
 
 def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> None:
-    """Classify a folder of images into predictions.csv (unreadable files are listed, not dropped)."""
+    """Classify a folder of images into predictions.csv (unreadable files are listed, not dropped). Multi-label: the
+    labels whose sigmoid reaches the threshold, best first, and their scores, each joined by ';'."""
     images = load_image_folder(data_args.predict_images)
     if splits.storage_shape:  # stored as the model's training images were
         storage = StorageFormat(splits.storage_shape, splits.white)
@@ -202,14 +214,20 @@ def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> 
     logits = logits[0] if isinstance(logits, tuple) else logits
     if not trainer.is_world_process_zero():
         return
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probabilities = shifted / shifted.sum(axis=1, keepdims=True)
-    path = os.path.join(trainer.args.output_dir, "predictions.csv")
+    path, names = os.path.join(trainer.args.output_dir, "predictions.csv"), splits.label_names
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["file", "label", "score"])
-        for file, row in zip(decoded["file"], probabilities):
-            writer.writerow([file, splits.label_names[int(row.argmax())], f"{row.max():.6f}"])
+        if splits.multi_label:
+            writer.writerow(["file", "labels", "scores"])
+            scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+            for file, row in zip(decoded["file"], scores):
+                chosen = [i for i in np.argsort(-row, kind="stable") if row[i] >= data_args.multi_label_threshold]
+                writer.writerow([file, ";".join(names[i] for i in chosen), ";".join(f"{row[i]:.6f}" for i in chosen)])
+        else:
+            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+            writer.writerow(["file", "label", "score"])
+            for file, row in zip(decoded["file"], shifted / shifted.sum(axis=1, keepdims=True)):
+                writer.writerow([file, names[int(row.argmax())], f"{row.max():.6f}"])
         for item in skipped:  # missing or unreadable files stay visible in the output
             writer.writerow([images[item["row"]]["file"], "", item["problem"]])
     logger.info("Wrote %d predictions to %s", len(decoded) + len(skipped), path)
@@ -217,7 +235,8 @@ def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> 
 
 def publish(trainer, args: RunArguments, plan: RunPlan, argv, splits, results, reports, finetune, meter) -> None:
     """Write the model card (always, locally), then push with it when asked."""
-    trainer.card = card_info(args, plan, argv, splits, results, reports, finetune, meter.images_per_second)
+    history = trainer.state.log_history
+    trainer.card = card_info(args, plan, argv, splits, results, reports, finetune, meter.images_per_second, history)
     if trainer.is_world_process_zero():
         write_model_card(trainer.card, trainer.args.output_dir)
     if args.training.push_to_hub:
@@ -227,13 +246,29 @@ def publish(trainer, args: RunArguments, plan: RunPlan, argv, splits, results, r
             raise RecipeError(hub_error_message(err, "push the model", trainer.args.output_dir)) from None
 
 
-def summary(results: dict, output_dir: str, reports: dict) -> None:
-    lines = [f"{k}: {v:.4f}" for k, v in results.items() if k.endswith("accuracy")]
+def imbalance_lines(results: dict, reports: dict, skew: tuple[int, int] | None) -> list[str]:
+    """With imbalanced classes, plain accuracy flatters a model that ignores the small ones: what to read first."""
+    split = "test" if "test_recall_macro" in results else "eval"
+    if not skew or f"{split}_recall_macro" not in results:
+        return []
+    worst = ", ".join(f"{label} {recall:.2%}" for label, recall in reports.get("worst_recall", []))
+    return [
+        f"classes are imbalanced in train ({skew[0]} to {skew[1]} images per class): read these before accuracy",
+        f"{split}_balanced_accuracy (mean per-class recall): {results[f'{split}_recall_macro']:.4f}",
+        f"{split}_f1_macro: {results[f'{split}_f1_macro']:.4f}",
+        *([f"worst classes' recall: {worst}"] if worst else []),
+    ]
+
+
+def summary(results: dict, output_dir: str, reports: dict, skew: tuple[int, int] | None = None) -> None:
+    lines = imbalance_lines(results, reports, skew)
+    lines += [f"{k}: {v:.4f}" for k, v in results.items() if k.endswith(("accuracy", "mean_average_precision"))]
     phases = {k[5:-2]: v for k, v in results.items() if k.startswith("time_") and k != "time_total_s"}
     if phases:  # where the wall time went (time_<phase>_s in all_results.json)
         lines.append("wall time: " + ", ".join(f"{p} {v:.1f}s" for p, v in phases.items() if v >= 0.05))
     trained = any(k.startswith(("train_", "eval_", "test_")) for k in results)
     lines.append(f"{'model, card (README.md) and metrics' if trained else 'predictions.csv'}: {output_dir}")
-    if reports:
-        lines.append(f"confusion matrix: {reports['confusion_matrix']}")
+    if reports:  # multi-label runs have no confusion matrix
+        key = "confusion_matrix" if "confusion_matrix" in reports else "per_class_csv"
+        lines.append(f"{key.replace('_', ' ')}: {reports[key]}")
     print("\n".join(["", "=" * 60, *lines, "=" * 60]))

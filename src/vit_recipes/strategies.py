@@ -1,10 +1,6 @@
-"""The one table of distributed strategies this repo ships.
-
-Each row names a strategy once and says everything else about it: the accelerate config and DeepSpeed JSON that
-launch it, what it shards, and what it supports. The run plan (plan.py) checks a run against its row, the memory
-advisor (advise.py) estimates every row, and benchmarks, reports, the model card and the docs use the same names.
-Pure data: this module imports nothing.
-"""
+"""The one table of distributed strategies this repo ships: each row names a strategy once and says how to launch
+it, what it shards and what it supports. plan.py checks a run against its row, tools/advise.py estimates every row,
+and benchmarks, reports, the model card and the docs use the same names. Pure data: this module imports nothing."""
 
 from __future__ import annotations
 
@@ -15,25 +11,16 @@ from dataclasses import dataclass, field
 class StrategySpec:
     """One strategy: how to launch it and what it can do."""
 
-    name: str
-    """Key used everywhere: plans, benchmark records, reports, the model card's tag."""
-    label: str
-    """How people write it (tables, messages)."""
-    accelerate_config: str | None
-    """`accelerate launch --config_file` file, relative to the repo root (None: plain `python`/`torchrun`)."""
-    deepspeed_config: str | None
-    """`deepspeed ... --deepspeed` file, relative to the repo root (None: not a DeepSpeed strategy)."""
-    zero_stage: int | None
-    """DeepSpeed ZeRO stage (None: not DeepSpeed)."""
-    shards: str
-    """What each process holds only a shard of."""
-    offload: bool = False
-    """Optimizer states (and, for stage 3 and FSDP2, parameters) live in host memory."""
+    name: str  # the key everywhere: plans, benchmark records, reports, the model card's tag
+    label: str  # how people write it (tables, messages)
+    accelerate_config: str | None  # `accelerate launch --config_file` file (None: plain `python`/`torchrun`)
+    deepspeed_config: str | None  # `deepspeed ... --deepspeed` file (None: not a DeepSpeed strategy)
+    zero_stage: int | None  # DeepSpeed ZeRO stage (None: not DeepSpeed)
+    shards: str  # what each process holds only a shard of
+    offload: bool = False  # optimizer states (and, for stage 3 and FSDP2, parameters) live in host memory
+    # Features refused, each with its one-line reason (keys: `lora`, `torch_compile_regions`, `fp8`); others work.
     refusals: dict[str, str] = field(default_factory=dict)
-    """Features this strategy refuses, each with the one-line reason (keys: `lora`, `torch_compile_regions`,
-    `fp8`). A feature not listed is supported."""
-    use_when: str = ""
-    """When to pick it (advisor, reports, docs)."""
+    use_when: str = ""  # when to pick it (advisor, reports, docs)
 
     def supports(self, feature: str) -> bool:
         return feature not in self.refusals
@@ -101,17 +88,9 @@ def _spec(name, label, accelerate, deepspeed, stage, shards) -> StrategySpec:
         refusals["fp8"] = _FP8_SHARDED.format(label=label)
     if stage == 3:
         refusals["torch_compile_regions"] = _ZERO3_REGIONS
-    return StrategySpec(
-        name,
-        label,
-        accelerate and f"accelerate_configs/{accelerate}",
-        deepspeed and f"ds_configs/{deepspeed}",
-        stage,
-        shards,
-        offload=name.endswith("_offload"),
-        refusals=refusals,
-        use_when=_USE_WHEN[name],
-    )
+    accelerate, deepspeed = accelerate and f"accelerate_configs/{accelerate}", deepspeed and f"ds_configs/{deepspeed}"
+    offload, use_when = name.endswith("_offload"), _USE_WHEN[name]
+    return StrategySpec(name, label, accelerate, deepspeed, stage, shards, offload, refusals, use_when)
 
 
 STRATEGIES: tuple[StrategySpec, ...] = tuple(_spec(*row) for row in _ROWS)

@@ -1,9 +1,6 @@
-"""Where a run's wall-clock time goes, phase by phase, counted from the process's start (imports included).
-
-A 20-step benchmark on a GPU spends most of its minute outside the training loop; these figures say where
-(imports and launcher, data loading, model, decoding, Trainer and accelerator set-up, training, evaluation,
-reports). They are logged as one line at the end and saved as `time_<phase>_s` in all_results.json.
-"""
+"""Where a run's wall-clock time goes, phase by phase, counted from the process's start (imports included): a
+20-step GPU benchmark spends most of its minute outside the training loop. Logged as one line at the end and saved
+as `time_<phase>_s` in all_results.json."""
 
 from __future__ import annotations
 

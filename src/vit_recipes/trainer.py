@@ -9,6 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
+from torch.utils.data import WeightedRandomSampler
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from transformers.utils import SAFE_WEIGHTS_NAME
@@ -17,6 +18,7 @@ from .adapters import without_activation_wrappers
 from .card import write_model_card
 from .errors import RecipeError, first_line
 from .run_dir import mark_complete, write_loss_record
+from .transforms import smooth_targets
 
 
 class _NothingLeftToTrain(Exception):
@@ -34,17 +36,29 @@ class _StopAtTheLastStep(TrainerCallback):
 
 class ImageClassificationTrainer(Trainer):
     """`Trainer` plus device transforms (uint8 batches resized, augmented or centre-cropped and normalised on the
-    device), our loss (label smoothing, or soft targets under mixup/cutmix), checkpoints that record their run and
+    device), our loss (label smoothing, or soft targets under mixup/cutmix; multi-hot labels: binary cross-entropy
+    with logits, class weights as its pos_weight), checkpoints that record their run and
     loss last, once complete (run_dir.py), resumes that never train past the last step, and our model card."""
 
-    def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, class_weights=None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        *args,
+        train_transform=None,
+        eval_transform=None,
+        mixup=None,
+        class_weights=None,
+        sample_weights=None,
+        **kw,
+    ):
+        super().__init__(*args, **kw)
+        self.sample_weights = sample_weights  # --class_weights balanced_sampler: one draw weight per training image
         self.class_weights = None if class_weights is None else class_weights.to(self.args.device)  # training loss
         self.train_transform = train_transform.to(self.args.device) if train_transform is not None else None
         self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
         self.mixup = mixup
         self.card = None  # card.CardInfo, set once the run's results are known
         self.run_identity: dict = {}  # the plan's identity, recorded in every checkpoint (run_dir.py)
+        self.threshold = 0.5  # multi-label: a class is predicted when its sigmoid reaches this (reports)
         # The sum of training_step losses since step 0, resumes included (the Trainer's own train_loss averages only
         # the steps after a resume): restored from a checkpoint's train_loss.json by steps.train.
         self.loss_sum = 0.0
@@ -63,7 +77,20 @@ class ImageClassificationTrainer(Trainer):
 
         self.accelerator.backward = labelled_backward
 
+    def _get_train_sampler(self, train_dataset=None):
+        if self.sample_weights is None:
+            return super()._get_train_sampler(train_dataset)
+        # Seeded: every rank draws the same sequence, which accelerate then splits between them.
+        generator = torch.Generator().manual_seed(self.args.seed)
+        return WeightedRandomSampler(self.sample_weights, len(self.sample_weights), generator=generator)
+
     def train(self, resume_from_checkpoint=None, **kwargs):
+        if self.is_deepspeed_enabled and resume_from_checkpoint:
+            # Converted for another process count (plan.configure): the engine, built by train(), reads this flag.
+            universal = os.path.isfile(os.path.join(resume_from_checkpoint, "latest_universal"))
+            self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = (
+                universal
+            )
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next
@@ -134,12 +161,16 @@ class ImageClassificationTrainer(Trainer):
         with record_function("forward"):
             outputs = model(**model_inputs)
             logits = outputs["logits"].float()
-            if targets is not None:
+            weights = self.class_weights if model.training else None
+            if labels is not None and labels.ndim == 2:  # multi-hot: multi-label, one sigmoid per class
+                if targets is None:
+                    targets = smooth_targets(labels, self.args.label_smoothing_factor if model.training else 0.0)
+                loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=weights)
+            elif targets is not None:
                 weighted = targets if self.class_weights is None else targets * self.class_weights
                 loss = torch.sum(-weighted * F.log_softmax(logits, dim=-1), dim=-1).mean()
             elif labels is not None:
                 smoothing = self.args.label_smoothing_factor if model.training else 0.0
-                weights = self.class_weights if model.training else None
                 loss = F.cross_entropy(logits, labels, weight=weights, label_smoothing=smoothing)
             else:
                 loss = logits.new_zeros(())

@@ -1,14 +1,10 @@
 """Batched image transforms on the training device: uint8 (B, 3, H, W) at storage size -> normalised (B, 3, S, S).
 
-Train: random-resized crop and flip are one bilinear `grid_sample` from storage to S x S, then optionally
-RandAugment/TrivialAugmentWide with torchvision's ops and magnitudes; geometric ops sample bilinearly with black fill
-(torchvision: nearest, a sub-pixel difference). grid_sample cannot antialias, which costs little: storage is at most
-~1.14x the model size and crops only enlarge. Randomness is torch's global RNG: `torch.manual_seed` covers it.
-
-Eval does what the saved image processor (PIL bicubic, uint8) does, so scores carry over. torch's antialiased bicubic
-ports PIL's resampler (plain torch bicubic uses a = -0.75 and aliases); two passes rounded to uint8, like PIL, match it
-within 1-2 levels, mean < 1e-4 normalised (tests/test_transforms.py); one fused pass: ~0.004 mean / ~0.4 max.
-"""
+Train: random-resized crop and flip in one bilinear `grid_sample` (no antialiasing: storage is at most ~1.14x the
+model size and crops only enlarge), then optionally RandAugment/TrivialAugmentWide with torchvision's ops and
+magnitudes (geometric ops bilinear with black fill; torchvision: nearest). Randomness: torch's global RNG.
+Eval does what the saved image processor (PIL bicubic, uint8) does: torch's antialiased bicubic in two passes rounded
+to uint8, like PIL, matches it within 1-2 levels (tests/test_transforms.py), so scores carry over."""
 
 from __future__ import annotations
 
@@ -195,17 +191,11 @@ def augmentation_space(policy: str, image_size: int) -> dict[str, tuple[Tensor, 
     shift = 32.0 if wide else 150.0 / 331.0 * image_size
     posterize_span = 6 if wide else 4  # bits go 8 -> 2 (wide) or 8 -> 4
     none = torch.zeros(bins)
-    return {
+    signed = {"ShearX": shear, "ShearY": shear, "TranslateX": shift, "TranslateY": shift, "Rotate": rotation}
+    signed.update(dict.fromkeys(("Brightness", "Color", "Contrast", "Sharpness"), enhance))
+    return {  # in torchvision's order: op ids index it
         "Identity": (none, False),
-        "ShearX": (torch.linspace(0.0, shear, bins), True),
-        "ShearY": (torch.linspace(0.0, shear, bins), True),
-        "TranslateX": (torch.linspace(0.0, shift, bins), True),
-        "TranslateY": (torch.linspace(0.0, shift, bins), True),
-        "Rotate": (torch.linspace(0.0, rotation, bins), True),
-        "Brightness": (torch.linspace(0.0, enhance, bins), True),
-        "Color": (torch.linspace(0.0, enhance, bins), True),
-        "Contrast": (torch.linspace(0.0, enhance, bins), True),
-        "Sharpness": (torch.linspace(0.0, enhance, bins), True),
+        **{name: (torch.linspace(0.0, top, bins), True) for name, top in signed.items()},
         "Posterize": (8 - (torch.arange(bins) / ((bins - 1) / posterize_span)).round(), False),
         "Solarize": (torch.linspace(255.0, 0.0, bins), False),
         "AutoContrast": (none, False),
@@ -297,27 +287,20 @@ class EvalTransform(_Normalized):
         self.resize_to = round(image_size / eval_crop_pct)
 
     def forward(self, pixels: Tensor) -> Tensor:
-        height, width = resized_shape(*pixels.shape[-2:], self.resize_to)
-        x = pil_bicubic_resize(pixels.float(), height, width)
+        x, (height, width), edge = pixels.float(), pixels.shape[-2:], self.resize_to
+        # transformers' get_resize_output_image_size(default_to_square=False): the long side is truncated
+        if width <= height:
+            height, width = int(edge * height / width), edge
+        else:
+            height, width = edge, int(edge * width / height)
+        # PIL's bicubic resize of uint8 images: a horizontal then a vertical pass, each rounded to uint8 levels
+        for size in ((x.shape[-2], width), (height, width)):
+            if size != tuple(x.shape[-2:]):
+                x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
+                x = x.clamp(0, 255).round()
         top, left = (height - self.image_size) // 2, (width - self.image_size) // 2  # transformers' center_crop
         x = x[..., top : top + self.image_size, left : left + self.image_size]
         return self.normalize(x)
-
-
-def pil_bicubic_resize(x: Tensor, height: int, width: int) -> Tensor:
-    """PIL's bicubic resize of uint8 images: a horizontal then a vertical pass, each rounded to uint8 levels."""
-    for size in ((x.shape[-2], width), (height, width)):
-        if size != tuple(x.shape[-2:]):
-            x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
-            x = x.clamp(0, 255).round()
-    return x
-
-
-def resized_shape(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
-    """transformers' get_resize_output_image_size(default_to_square=False): the long side is truncated."""
-    if width <= height:
-        return int(shortest_edge * height / width), shortest_edge
-    return shortest_edge, int(shortest_edge * width / height)
 
 
 def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransform, EvalTransform]:
@@ -330,7 +313,8 @@ def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransfo
 class MixupCutmix:
     """timm's Mixup in 'batch' mode: one lam ~ Beta(alpha, alpha) per batch (torch's CPU RNG), each sample mixed with
     x.flip(0); mixup or cutmix (50/50 when both are on), cutmix's lam corrected to the pasted box's area.
-    Returns the mixed pixels and label-smoothed soft targets lam * onehot(y) + (1 - lam) * onehot(y.flip(0))."""
+    Returns the mixed pixels and label-smoothed soft targets lam * t(y) + (1 - lam) * t(y.flip(0)), t(y) the one-hot
+    of class ids y, or the multi-hot rows y themselves (multi-label)."""
 
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, label_smoothing: float = 0.0):
         self.mixup_alpha = float(mixup_alpha)
@@ -352,11 +336,16 @@ class MixupCutmix:
         return pixels, self.targets(labels, lam)
 
     def targets(self, labels: Tensor, lam: float) -> Tensor:
-        off = self.label_smoothing / self.num_classes
-        on = 1.0 - self.label_smoothing + off
-        onehot = torch.full((labels.shape[0], self.num_classes), off, dtype=torch.float32, device=labels.device)
-        onehot.scatter_(1, labels.long().view(-1, 1), on)
-        return lam * onehot + (1 - lam) * onehot.flip(0)
+        hot = labels if labels.ndim == 2 else F.one_hot(labels.long(), self.num_classes)
+        soft = smooth_targets(hot, self.label_smoothing)
+        return lam * soft + (1 - lam) * soft.flip(0)
+
+
+def smooth_targets(hot: Tensor, smoothing: float) -> Tensor:
+    """One-hot or multi-hot 0/1 targets label-smoothed as timm smooths them (its mixup targets, BinaryCrossEntropy):
+    1 -> 1 - s + s/K and 0 -> s/K, for K classes."""
+    off = smoothing / hot.shape[-1]
+    return torch.where(hot > 0, 1.0 - smoothing + off, off).float()
 
 
 def cutmix(pixels: Tensor, lam: float) -> tuple[Tensor, float]:

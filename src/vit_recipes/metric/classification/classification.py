@@ -1,5 +1,6 @@
-"""Accuracy, top-k and macro F1/precision/recall: a local `evaluate` module, so evaluation works offline (unlike
-`evaluate.load("accuracy")`). Loaded by path, it stays self-contained, numpy only: evaluate copies this one file."""
+"""Accuracy, top-k and macro F1/precision/recall, or (config "multilabel") mAP, micro/macro F1 and exact match: a
+local `evaluate` module, so evaluation works offline (unlike `evaluate.load("accuracy")`). Loaded by path, it stays
+self-contained, numpy only: evaluate copies this one file."""
 
 import datasets
 import evaluate
@@ -10,7 +11,11 @@ accuracy; top{k}_accuracy (the reference among the k = min(top_k, num_classes) h
 precision_macro, recall_macro (unweighted means over the classes in references or predictions: scikit-learn's
 average="macro", zero_division=0), from per-class scores (logits or probabilities)."""
 _KWARGS_DESCRIPTION = """predictions: one row of num_classes scores per sample; references: class ids in
-[0, num_classes); top_k (default 5): the k of top{top_k}_accuracy. Returns those five floats in [0, 1]."""
+[0, num_classes); top_k (default 5): the k of top{top_k}_accuracy. Returns those five floats in [0, 1].
+Config "multilabel": logits and multi-hot references; predicted: sigmoid >= threshold (default 0.5). Returns
+mean_average_precision (scikit-learn's average_precision_score per class, averaged over the classes with a positive in
+references: classes without one have no AP and are left out), f1_micro, f1_macro (zero_division=0, every class) and
+subset_accuracy (exact match)."""
 _CITATION = "Pedregosa et al., Scikit-learn: Machine Learning in Python, JMLR 12, pp. 2825-2830, 2011."
 
 
@@ -46,21 +51,55 @@ def _macro_scores(references: np.ndarray, predicted: np.ndarray, num_classes: in
     }
 
 
+def average_precision(scores: np.ndarray, positive: np.ndarray) -> np.ndarray:
+    """Per column, scikit-learn's average_precision_score: the sum over score thresholds of precision times the
+    recall gained there (tied scores are one threshold); NaN for a column without a positive."""
+    order = np.argsort(-scores, axis=0, kind="stable")
+    ranked, hits = np.take_along_axis(scores, order, 0), np.take_along_axis(positive, order, 0).astype(np.float64)
+    rank = np.arange(1, len(scores) + 1)[:, None]
+    ends = np.ones(ranked.shape, dtype=bool)
+    ends[:-1] = ranked[:-1] != ranked[1:]  # the last row of each run of tied scores
+    group_end = np.minimum.accumulate(np.where(ends, rank - 1, len(scores) - 1)[::-1], axis=0)[::-1]
+    precision = np.take_along_axis(hits.cumsum(0) / rank, group_end, 0)  # at the end of each row's tie group
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (hits * precision).sum(0) / hits.sum(0)
+
+
+def _multi_label_scores(logits: np.ndarray, references: np.ndarray, threshold: float) -> dict[str, float]:
+    truth, predicted = references > 0.5, logits >= np.log(threshold / (1 - threshold))  # sigmoid >= threshold
+    tp, fp, fn = (predicted & truth).sum(0), (predicted & ~truth).sum(0), (~predicted & truth).sum(0)
+    ap = average_precision(logits, truth)
+    return {
+        "mean_average_precision": float(np.nanmean(ap)) if truth.any() else float("nan"),
+        "f1_micro": float(_safe_divide(2 * tp.sum(), (2 * tp + fp + fn).sum())),
+        "f1_macro": float(_safe_divide(2 * tp, 2 * tp + fp + fn).mean()),
+        "subset_accuracy": float((predicted == truth).all(1).mean()),
+    }
+
+
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
 class Classification(evaluate.Metric):
     def _info(self):
+        scores = datasets.Sequence(datasets.Value("float32"))
+        references = scores if self.config_name == "multilabel" else datasets.Value("int64")
         return evaluate.MetricInfo(
             description=_DESCRIPTION,
             citation=_CITATION,
             inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {"predictions": datasets.Sequence(datasets.Value("float32")), "references": datasets.Value("int64")}
-            ),
+            features=datasets.Features({"predictions": scores, "references": references}),
             reference_urls=["https://scikit-learn.org/stable/modules/model_evaluation.html"],
         )
 
-    def _compute(self, predictions, references, top_k: int = 5):
+    def _compute(self, predictions, references, top_k: int = 5, threshold: float = 0.5):
         scores = np.asarray(predictions, dtype=np.float64)
+        if self.config_name == "multilabel":
+            references = np.asarray(references, dtype=np.float64)
+            if scores.ndim != 2 or len(scores) == 0 or scores.shape != references.shape or not 0 < threshold < 1:
+                raise ValueError(
+                    f"Expected logits and multi-hot references of one shape and 0 < threshold < 1, got "
+                    f"{scores.shape}, {references.shape} and {threshold}."
+                )
+            return _multi_label_scores(scores, references, threshold)
         references = np.asarray(references, dtype=np.int64)
         if scores.ndim != 2 or len(scores) == 0 or len(scores) != len(references):
             raise ValueError(

@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""The peer in every speed record: transformers' example script, measured like our runs.
+
+Users compare this recipe with transformers' examples/pytorch/image-classification/run_image_classification.py, so
+speed records state a ratio against it measured in the same device call (benchmarks/run.py, `peer: true` in a suite
+entry; benchmarks/suites/peer.yaml). This script reproduces that example's training path:
+
+- `datasets.load_dataset(--dataset_name)`; without a "validation" split, 15% of train is split off (--train_val_split);
+- labels and id2label/label2id (string ids) from the label column's ClassLabel; AutoConfig with num_labels,
+  AutoModelForImageClassification (--ignore_mismatched_sizes, off by default as in the example), AutoImageProcessor;
+- `set_transform` decoding each image with PIL on the fly: RandomResizedCrop(size) + RandomHorizontalFlip + ToTensor
+  + Normalize(image processor mean/std), size from the processor (shortest_edge, else (height, width)), run in the
+  DataLoader workers (--dataloader_num_workers, 0 in the example);
+- the stock `transformers.Trainer` with the example's collate_fn (stacked pixel_values, tensor of labels); train,
+  save the model, save the train metrics and the trainer state.
+
+torchvision.transforms run when torchvision imports (as in the example); otherwise `pil_train_transform`, the same four
+ops in PIL + torch with torchvision's sampling (same torch RNG calls). all_results.json says which: "peer_transforms".
+The only additions are measurement: our SpeedMeter (steady-state img/s, step time, data wait, MFU, memory) is fed
+through the two hooks our Trainer subclass calls (batch fetch, log), so the peer's metrics have the same keys; and
+data_decode_seconds is the time load_dataset and the split take (the peer decodes per step, in the workers).
+Training only (the example's evaluation is not measured): --do_eval is refused.
+
+    python benchmarks/peer.py --model_name_or_path bench_assets/vit-base --dataset_name bench_assets/cifar100 \
+        --output_dir /tmp/peer --do_train --max_steps 60 --per_device_train_batch_size 256 --bf16 true \
+        --remove_unused_columns false --ignore_mismatched_sizes true --dataloader_num_workers 8
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from datasets import ClassLabel, load_dataset
+from datasets import Image as ImageFeature
+from PIL import Image
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForImageClassification,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the meter, without an install
+
+from vit_recipes.flops import peak_flops, training_flops_per_image  # noqa: E402
+from vit_recipes.meter import SpeedMeter  # noqa: E402
+
+logger = logging.getLogger("peer")
+
+
+@dataclass
+class PeerArguments:
+    model_name_or_path: str = field(metadata={"help": "Checkpoint folder or Hub id."})
+    dataset_name: str = field(metadata={"help": "Dataset folder or Hub id, for datasets.load_dataset."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
+    image_column_name: str | None = field(default=None, metadata={"help": "Default: the dataset's Image column."})
+    label_column_name: str | None = field(default=None, metadata={"help": "Default: the dataset's ClassLabel column."})
+    train_val_split: float = field(default=0.15, metadata={"help": "Share of train split off without validation."})
+    ignore_mismatched_sizes: bool = field(default=False, metadata={"help": "Replace a head of another size."})
+
+
+# --------------------------------------------------------------------------------------------------- transforms
+
+
+def crop_params(width: int, height: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
+    """(top, left, height, width) of a random crop, sampled as torchvision's RandomResizedCrop.get_params does:
+    up to 10 draws of area share and log-uniform aspect ratio, then the whole image clamped to the ratio range."""
+    area = width * height
+    log_ratio = torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+            return top, left, h, w
+    in_ratio = width / height  # centre crop at the nearest allowed aspect ratio
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def pil_train_transform(size, mean, std):
+    """RandomResizedCrop(size) + RandomHorizontalFlip() + ToTensor() + Normalize(mean, std), without torchvision."""
+    out_h, out_w = (size, size) if isinstance(size, int) else size
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def transform(image):
+        top, left, h, w = crop_params(*image.size)
+        image = image.crop((left, top, left + w, top + h)).resize((out_w, out_h), Image.Resampling.BILINEAR)
+        if torch.rand(1) < 0.5:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        pixels = torch.from_numpy(np.array(image, dtype=np.uint8, copy=True)).permute(2, 0, 1).contiguous()
+        return (pixels.float().div(255) - mean_t) / std_t
+
+    return transform
+
+
+def train_transform(image_processor) -> tuple[object, str]:
+    """The example's train transform and which implementation it is ("torchvision" or "pil")."""
+    size = image_processor.size
+    size = size["shortest_edge"] if "shortest_edge" in size else (size["height"], size["width"])
+    mean, std = image_processor.image_mean, image_processor.image_std
+    try:
+        from torchvision.transforms import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop, ToTensor
+    except Exception:  # noqa: BLE001 - not installed, or built for another torch
+        return pil_train_transform(size, mean, std), "pil"
+    ops = [RandomResizedCrop(size), RandomHorizontalFlip(), ToTensor(), Normalize(mean=mean, std=std)]
+    return Compose(ops), "torchvision"
+
+
+# --------------------------------------------------------------------------------------------------- training
+
+
+def column_of(features, name: str | None, kind) -> str:
+    if name:
+        return name
+    found = [column for column, feature in features.items() if isinstance(feature, kind)]
+    if not found:
+        raise ValueError(f"no {kind.__name__} column in {list(features)}: pass its name")
+    return found[0]
+
+
+def attach_meter(trainer: Trainer, meter: SpeedMeter) -> None:
+    """Feed the meter as our Trainer subclass does: time spent fetching batches, figures in every training log."""
+    fetch, log = trainer.get_batch_samples, trainer.log
+
+    def get_batch_samples(*args, **kwargs):
+        start = time.perf_counter()
+        batches = fetch(*args, **kwargs)
+        meter.add_data_wait(time.perf_counter() - start)
+        return batches
+
+    def log_with_meter(logs, *args, **kwargs):
+        logs.update(meter.extend_logs(logs, trainer.args, trainer.state))
+        return log(logs, *args, **kwargs)
+
+    trainer.get_batch_samples, trainer.log = get_batch_samples, log_with_meter
+    trainer.add_callback(meter)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = HfArgumentParser((PeerArguments, TrainingArguments))
+    args, training = parser.parse_args_into_dataclasses(args=argv)
+    if training.do_eval:
+        raise ValueError("peer.py measures training only: drop --do_eval")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    transformers.utils.logging.set_verbosity(training.get_process_log_level())
+
+    start = time.perf_counter()
+    dataset = load_dataset(args.dataset_name, args.dataset_config_name)
+    if "validation" not in dataset and args.train_val_split > 0:
+        split = dataset["train"].train_test_split(args.train_val_split)
+        dataset["train"], dataset["validation"] = split["train"], split["test"]
+    load_seconds = time.perf_counter() - start
+    train = dataset["train"]
+    image_column = column_of(train.features, args.image_column_name, ImageFeature)
+    label_column = column_of(train.features, args.label_column_name, ClassLabel)
+
+    labels = train.features[label_column].names
+    label2id = {label: str(i) for i, label in enumerate(labels)}
+    id2label = {str(i): label for i, label in enumerate(labels)}
+    config = AutoConfig.from_pretrained(
+        args.model_name_or_path,
+        num_labels=len(labels),
+        label2id=label2id,
+        id2label=id2label,
+        finetuning_task="image-classification",
+    )
+    model = AutoModelForImageClassification.from_pretrained(
+        args.model_name_or_path, config=config, ignore_mismatched_sizes=args.ignore_mismatched_sizes
+    )
+    image_processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
+    transform, implementation = train_transform(image_processor)
+    logger.info("Train transform: %s (%s)", transform, implementation)
+
+    def transform_batch(batch):
+        batch["pixel_values"] = [transform(image.convert("RGB")) for image in batch[image_column]]
+        return batch
+
+    def collate_fn(examples):
+        pixel_values = torch.stack([example["pixel_values"] for example in examples])
+        return {"pixel_values": pixel_values, "labels": torch.tensor([example[label_column] for example in examples])}
+
+    train.set_transform(transform_batch)
+    trainer = Trainer(
+        model=model, args=training, train_dataset=train, processing_class=image_processor, data_collator=collate_fn
+    )
+    cuda = training.device.type == "cuda"
+    peak = peak_flops(torch.cuda.get_device_name(), "bf16" if training.bf16 else "fp32") if cuda else None
+    flops = training_flops_per_image(model.config, training.gradient_checkpointing) if peak else None
+    images_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
+    meter = SpeedMeter(images_per_step, flops, peak * training.world_size if peak else None)
+    attach_meter(trainer, meter)
+
+    result = trainer.train()
+    trainer.save_model()
+    metrics = {**result.metrics, **meter.metrics(), "data_decode_seconds": round(load_seconds, 3)}
+    metrics["peer_transforms"] = implementation
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
