@@ -394,3 +394,20 @@ def test_sample_caps_are_seeded_stratified_and_said(tmp_path, caplog):
     assert sorted(Counter(splits.test["labels"]).values()) == [5] * 10  # every class, in proportion
     assert "Sampled 50 of 200 test images (seed 42, stratified)" in caplog.text
     assert load_splits(data_args(path, max_eval_samples=50)).test["labels"] == splits.test["labels"]  # seeded
+
+
+def test_balanced_sampler_draws_classes_equally_and_refuses_multi_label():
+    from datasets import Dataset
+
+    from vit_recipes.data import ImageSplits, balanced_sample_weights, imbalance
+
+    train = Dataset.from_dict({"labels": [0] * 9 + [1] * 3})
+    splits = ImageSplits(train, None, None, "image", ["a", "b"], "ClassLabel")
+    weights = balanced_sample_weights(splits)
+    assert weights[:9].sum() == pytest.approx(weights[9:].sum())  # each class: half of the draws
+    assert imbalance(splits) == (3, 9)
+    multi = ImageSplits(Dataset.from_dict({"labels": [[1.0, 0.0]] * 2}), None, None, "image", ["a", "b"], "ClassLabel",
+                        multi_label=True)  # fmt: skip
+    with pytest.raises(RecipeError, match="balanced_sampler needs one label per image"):
+        balanced_sample_weights(multi)
+    assert imbalance(multi) is None

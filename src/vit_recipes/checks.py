@@ -16,6 +16,7 @@ from .errors import RecipeError
 from .hub import check_push_ready, hub_error_message, offline_env, written_as_path
 from .launch import is_true, visible_gpus
 from .memory import host_memory_for, model_size_from_args
+from .run_dir import WRITE_PROBE
 
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
 
@@ -77,7 +78,7 @@ def check_output_dir(training_args, model_args) -> None:
     out = Path(training_args.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out):
+        with tempfile.NamedTemporaryFile(dir=out, prefix=WRITE_PROBE):
             pass
     except OSError as err:
         raise RecipeError(

@@ -48,8 +48,7 @@ def to_rgb(image: Image.Image, white: float | None = None) -> Image.Image:
 
 
 def decode_to_chw(value, height: int, width: int, white: float | None = None) -> tuple[np.ndarray, bool]:
-    """Decode a datasets Image value, bytes or path, convert to RGB and fit: a (3, height, width) uint8 array, and
-    whether the image had another size."""
+    """A datasets Image value, bytes or path as RGB fitted to (3, height, width) uint8, and whether it was resized."""
     image = Image.open(_file(value))
     image.load()  # decode now, so a truncated file fails here and not in a worker later
     image = to_rgb(image, white)

@@ -90,15 +90,6 @@ def resolve_target_modules(model: nn.Module, requested: list[str] | None) -> lis
     return list(requested)
 
 
-def _gathered(params: list[nn.Parameter]):
-    """Full tensors of parameters sharded by DeepSpeed ZeRO-3 (a no-op otherwise)."""
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    return contextlib.nullcontext()
-
-
 def base_signature(model: nn.Module, samples: int = 16) -> list[list[float]]:
     """A few values of the frozen base weights (embeddings and final norm), to tell whether two bases are the same
     (`same_base`, with a tolerance so that bf16, as ZeRO-3 loads it, and fp32 match; names are ignored)."""
@@ -106,8 +97,12 @@ def base_signature(model: nn.Module, samples: int = 16) -> list[list[float]]:
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
     params = [p for name, p in backbone.named_parameters() if "lora_" not in name]
     chosen = params[:4] + params[-2:]
-    signature = []
-    with _gathered(chosen):
+    signature, gathered = [], contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in chosen):  # sharded by DeepSpeed ZeRO-3: read the full tensors
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(chosen, modifier_rank=None)
+    with gathered:
         for p in chosen:
             flat = p.detach().reshape(-1).to("cpu", torch.float32)
             index = torch.linspace(0, flat.numel() - 1, steps=min(samples, flat.numel())).long()
@@ -157,7 +152,7 @@ def apply_lora(model: nn.Module, lora_args: LoraArguments, training_args=None):
     except ValueError as err:  # peft rejects a module type it cannot adapt
         raise RecipeError(f"--use_peft: peft cannot adapt {', '.join(targets)}: {first_line(err)}") from None
     if training_args is not None and getattr(training_args, "gradient_checkpointing", False):
-        # Reentrant checkpointing needs an input that requires grad, else "no parameters require grad"; cheap either way.
+        # Reentrant checkpointing needs an input that requires grad, else "no parameters require grad"; cheap anyway.
         unwrap(peft_model).enable_input_require_grads()
     detail = (
         f": adapters on {', '.join(targets)} (r={lora_args.lora_r}, alpha={lora_args.lora_alpha}, "

@@ -25,17 +25,6 @@ class _Totals:
     data_seconds: float = 0.0
 
 
-def _gather_per_rank(values: list[float], device) -> list[list[float]]:
-    """All ranks' `values` (rank order). Every rank must call this at the same point (it is a collective)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [values]
-    local = torch.tensor(values, dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    return [t.tolist() for t in gathered]
-
-
 class SpeedMeter(TrainerCallback):
     """Speed and memory of training steps (see the module docstring)."""
 
@@ -102,8 +91,14 @@ class SpeedMeter(TrainerCallback):
             except (ImportError, OSError):
                 return {}
             names, local = ("cpu_peak_rss_gib",), [rss if sys.platform == "darwin" else rss * 1024]
+        per_rank, dist = [local], torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # every rank calls this
+            mine = torch.tensor(local, dtype=torch.float64, device=device)
+            gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine)
+            per_rank = [t.tolist() for t in gathered]
         out = {}
-        for rank, values in enumerate(_gather_per_rank(local, device)):
+        for rank, values in enumerate(per_rank):
             out.update({f"{name}_rank{rank}": round(value / GIB, 4) for name, value in zip(names, values)})
         return out
 

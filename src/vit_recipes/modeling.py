@@ -178,8 +178,7 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
     model, image_size = build_model(model_args, label_names)
     setup = FinetuneSetup(method, lora_args.merge_adapter, None, list(label_names), {})
     if method == "lora":
-        setup.signature = base_signature(model)
-        setup.base_args = model_args
+        setup.signature, setup.base_args = base_signature(model), model_args
         model, detail = apply_lora(model, lora_args, training_args)
     elif method == "head":
         heads = head_module_names(model)
@@ -197,7 +196,15 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
     path = model_args.model_name_or_path
     if lora_args.freeze_backbone:
         raise RecipeError(f"{path} holds a LoRA adapter: --freeze_backbone does not apply to it")
-    _check_labels(path, label_names)
+    config_file = Path(path) / "config.json"
+    id2label = (json.loads(config_file.read_text()).get("id2label") or {}) if config_file.is_file() else {}
+    saved = [id2label[k] for k in sorted(id2label, key=int)]
+    if saved and saved != list(label_names):
+        shown = ", ".join(saved[:5]) + (", ..." if len(saved) > 5 else "")
+        raise RecipeError(
+            f"the adapter in {path} classifies into {len(saved)} labels ({shown}), this dataset has "
+            f"{len(label_names)}: evaluate it on the dataset it was trained on"
+        )
     base_args = dataclasses.replace(model_args, model_name_or_path=adapter_base(path))
     model, image_size = build_model(base_args, label_names)
     trainable = bool(getattr(training_args, "do_train", False))
@@ -207,20 +214,6 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
         unwrap(model).enable_input_require_grads()
     detail = f" loaded from {path} onto {base_args.model_name_or_path}"
     return _finish(model, image_size, setup, "LoRA adapter", detail, training_args)
-
-
-def _check_labels(path, label_names) -> None:
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return
-    id2label = json.loads(config_file.read_text()).get("id2label") or {}
-    saved = [id2label[k] for k in sorted(id2label, key=int)]
-    if saved and saved != list(label_names):
-        shown = ", ".join(saved[:5]) + (", ..." if len(saved) > 5 else "")
-        raise RecipeError(
-            f"the adapter in {path} classifies into {len(saved)} labels ({shown}), this dataset has "
-            f"{len(label_names)}: evaluate it on the dataset it was trained on"
-        )
 
 
 def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", cache_dir: str | None = None):
@@ -277,7 +270,7 @@ def mean_std(model_args) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 
 def evaluation_processor(image_size: int, eval_crop_pct: float, mean, std) -> BitImageProcessor:
-    """The script's evaluation preprocessing (bicubic resize to image_size / eval_crop_pct, centre crop) for pipeline()."""
+    """The script's eval preprocessing (bicubic resize to image_size / eval_crop_pct, centre crop) for pipeline()."""
     return BitImageProcessor(
         do_resize=True,
         size={"shortest_edge": round(image_size / eval_crop_pct)},

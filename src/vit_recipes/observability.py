@@ -30,10 +30,8 @@ class ProfilerCallback(TrainerCallback):
         self.start_after = first - 1 - self.warmup  # optimizer steps completed when the profiler starts
         self.output_dir, self.options = output_dir, options
         self.pause = pause  # the speed meter skips the profiled steps and the export
-        self.profiler = None
-        self.done = False
-        self.rank = 0
-        self._optimizer_region = None
+        self.profiler = self._optimizer_region = None
+        self.done, self.rank = False, 0
 
     def _start(self, args) -> None:
         self.rank = args.process_index
@@ -79,9 +77,9 @@ class ProfilerCallback(TrainerCallback):
             if state.global_step == self.start_after:
                 self._start(args)
             elif state.global_step > self.start_after:
-                first, last, step = self.first, self.last, state.global_step + 1
                 logger.warning(
-                    f"profile_steps {first}-{last}: training starts at step {step}, after the window; nothing is profiled."
+                    f"profile_steps {self.first}-{self.last}: training starts at step {state.global_step + 1}, after "
+                    "the window; nothing is profiled."
                 )
                 self.done = True
 

@@ -21,6 +21,7 @@ CHECKPOINT_RECORD = "run_identity.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 LOSS_RECORD = "train_loss.json"
+WRITE_PROBE = ".write-probe-"  # rank 0's writability check (checks.py): another rank must not read it as a run
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
             logger.warning("Resuming %s, written by another run (%s), as asked", explicit, "; ".join(changed))
         return OutputState("resume", explicit)
     out = Path(training_args.output_dir)
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(p for p in out.iterdir() if not p.name.startswith(WRITE_PROBE)):
         return OutputState("fresh")
     if training_args.overwrite_output_dir:
         # Only checkpoints the Trainer or this project wrote: foreign folders are never touched.

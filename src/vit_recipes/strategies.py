@@ -47,7 +47,7 @@ _ZERO3_REGIONS = (
     "1.98 against 1.31 eager) and was slower there: drop it, or use ZeRO-2 or FSDP2 with it"
 )
 _ALL, _GRADS = "parameters, gradients and optimizer states", "optimizer states and gradients"
-_ROWS = (  # name, label, accelerate config, DeepSpeed JSON (both under accelerate_configs/, ds_configs/), stage, shards
+_ROWS = (  # name, label, accelerate config, DeepSpeed JSON (under accelerate_configs/, ds_configs/), stage, shards
     ("single", "one device", None, None, None, "nothing"),
     ("ddp", "DDP", "ddp.yaml", None, None, "nothing (every process holds the whole model)"),
     ("zero1", "ZeRO-1", "zero1.yaml", "zero1.json", 1, "optimizer states"),

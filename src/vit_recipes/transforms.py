@@ -53,7 +53,10 @@ def sample_crop_flip_theta(
         fits = (w_try <= width) & (h_try <= height)
         first = fits.int().argmax(1, keepdim=True)  # argmax returns the first maximal index
         found = fits.any(1)
-        fallback_w, fallback_h = _centre_crop_size(height, width)
+        # torchvision's fallback: the whole image, trimmed to an aspect ratio inside CROP_RATIO
+        (low, high), aspect = CROP_RATIO, width / height
+        fallback_w = height * high if aspect > high else float(width)
+        fallback_h = width / low if aspect < low else float(height)
         w = torch.where(found, w_try.gather(1, first).squeeze(1), fallback_w)
         h = torch.where(found, h_try.gather(1, first).squeeze(1), fallback_h)
         x0 = (width - w) * torch.where(found, u_x, 0.5)
@@ -63,16 +66,6 @@ def sample_crop_flip_theta(
     # Normalised coords (align_corners=False): the box [x0, x0 + w] maps to [-1, 1]; a flip negates the x scale.
     rows = [sign * w / width, zero, (2 * x0 + w) / width - 1, zero, h / height, (2 * y0 + h) / height - 1]
     return torch.stack(rows, 1).view(batch, 2, 3)
-
-
-def _centre_crop_size(height: int, width: int) -> tuple[float, float]:
-    """torchvision RandomResizedCrop's fallback: the whole image, trimmed to an aspect ratio inside CROP_RATIO."""
-    (low, high), aspect = CROP_RATIO, width / height
-    if aspect < low:
-        return float(width), width / low
-    if aspect > high:
-        return height * high, float(height)
-    return float(width), float(height)
 
 
 def affine_grid(theta: Tensor, size: int) -> Tensor:
@@ -204,7 +197,7 @@ def augmentation_space(policy: str, image_size: int) -> dict[str, tuple[Tensor, 
 
 
 def apply_per_sample_ops(x: Tensor, op_ids: Tensor, magnitudes: Tensor, names: Sequence[str]) -> Tensor:
-    """Apply op names[op_ids[i]] with magnitudes[i] to sample i: one batched call per op, on the samples that drew it."""
+    """Op names[op_ids[i]] with magnitudes[i] on sample i: one batched call per op, on the samples that drew it."""
     out = x.clone()
     for i, name in enumerate(names):
         if name == "Identity":
@@ -317,10 +310,8 @@ class MixupCutmix:
     of class ids y, or the multi-hot rows y themselves (multi-label)."""
 
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, label_smoothing: float = 0.0):
-        self.mixup_alpha = float(mixup_alpha)
-        self.cutmix_alpha = float(cutmix_alpha)
-        self.num_classes = int(num_classes)
-        self.label_smoothing = float(label_smoothing)
+        self.mixup_alpha, self.cutmix_alpha = float(mixup_alpha), float(cutmix_alpha)
+        self.num_classes, self.label_smoothing = int(num_classes), float(label_smoothing)
 
     def __call__(self, pixels: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
@@ -349,7 +340,7 @@ def smooth_targets(hot: Tensor, smoothing: float) -> Tensor:
 
 
 def cutmix(pixels: Tensor, lam: float) -> tuple[Tensor, float]:
-    """Paste a box of area ~(1 - lam) from x.flip(0) (timm's rand_bbox); return the pixels and the box-corrected lam."""
+    """Paste a box of area ~(1 - lam) from x.flip(0) (timm's rand_bbox); return pixels and the box-corrected lam."""
     height, width = pixels.shape[-2:]
     cut = math.sqrt(1 - lam)
     half_h, half_w = int(height * cut) // 2, int(width * cut) // 2

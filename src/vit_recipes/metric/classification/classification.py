@@ -36,8 +36,7 @@ def _top_k_accuracy(scores: np.ndarray, references: np.ndarray, k: int) -> float
 
 
 def _macro_scores(references: np.ndarray, predicted: np.ndarray, num_classes: int) -> dict[str, float]:
-    confusion = np.bincount(references * num_classes + predicted, minlength=num_classes**2)
-    confusion = confusion.reshape(num_classes, num_classes)
+    confusion = np.bincount(references * num_classes + predicted, minlength=num_classes**2).reshape(num_classes, -1)
     true_positives, support, predicted_count = np.diag(confusion), confusion.sum(1), confusion.sum(0)
     # Average over the classes seen in references or predictions only, as sklearn does with labels=None.
     seen = (support + predicted_count) > 0
