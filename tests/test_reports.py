@@ -1,5 +1,6 @@
 import csv
 import re
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -107,3 +108,17 @@ def test_png(tmp_path, num_classes, min_px, max_px):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     height, width, _ = imread(path).shape
     assert min_px <= width <= max_px and min_px <= height <= max_px
+
+
+def test_class_names_a_font_cannot_draw_become_class_ids(tmp_path, monkeypatch):
+    """CJK names in matplotlib's default font are boxes: an installed font that has them draws them, else the
+    confusion matrix labels its axes with class ids (the per-class CSV maps them to names)."""
+    from matplotlib import font_manager
+
+    from vit_recipes.reports import plot_confusion_matrix, tick_names
+
+    assert tick_names(["cat", "dog"], [0, 1]) == (["cat", "dog"], None)
+    monkeypatch.setattr(font_manager.fontManager, "ttflist", [])  # no other font installed
+    assert tick_names(["猫", "犬"], [0, 1]) == (["0", "1"], None)
+    path = plot_confusion_matrix(np.array([[3, 1], [0, 4]]), ["猫", "犬"], str(tmp_path / "cm.png"))
+    assert Path(path).stat().st_size > 0

@@ -49,6 +49,7 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     font = min(10.0, max(5.0, 800 / max(len(ticks), 1)))
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported here: only rank 0 draws, at the end
     from matplotlib.figure import Figure
+    from matplotlib.font_manager import FontProperties
 
     fig = Figure(figsize=(side + 1, side), dpi=100)  # extra width for the colourbar
     FigureCanvasAgg(fig)
@@ -56,10 +57,13 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     image = ax.imshow(normalised, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
     # An inset colourbar is exactly as tall as the (square) matrix, whatever the figure size.
     fig.colorbar(image, cax=ax.inset_axes([1.02, 0, 0.025, 1])).set_label("fraction of true class")
-    names = [_shorten(label_names[i]) for i in ticks]
-    ax.set_xticks(ticks, names, rotation=90, fontsize=font)
-    ax.set_yticks(ticks, names, fontsize=font)
-    ax.set(xlabel="Predicted class", ylabel="True class")
+    shortened = [_shorten(label_names[i]) for i in ticks]
+    names, font_file = tick_names(shortened, ticks)
+    props = {"fontproperties": FontProperties(fname=font_file, size=font)} if font_file else {"fontsize": font}
+    ax.set_xticks(ticks, names, rotation=90, **props)
+    ax.set_yticks(ticks, names, **props)
+    ids = "" if names == shortened else " (class id: names in the per-class CSV)"
+    ax.set(xlabel=f"Predicted class{ids}", ylabel=f"True class{ids}")
     if title:
         ax.set_title(title)
     if num_classes <= MAX_ANNOTATED_CLASSES:
@@ -67,6 +71,23 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     fig.tight_layout()
     fig.savefig(path)
     return path
+
+
+def tick_names(names: list[str], ids) -> tuple[list[str], str | None]:
+    """The names and a font file that draws every character of them: matplotlib's default font when it can, else an
+    installed font that can (CJK names in DejaVu Sans are boxes), else the class ids, with no font."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    needed = {ord(c) for name in names for c in name if not c.isspace()}
+    default = font_manager.findfont(font_manager.FontProperties())
+    for path in [default, *sorted({f.fname for f in font_manager.fontManager.ttflist} - {default})]:
+        try:
+            if needed <= set(FT2Font(path).get_charmap()):
+                return names, None if path == default else path
+        except (OSError, RuntimeError):  # a font file matplotlib cannot open: try the next
+            continue
+    return [str(i) for i in ids], None
 
 
 def _shorten(name: str, limit: int = 24) -> str:
