@@ -79,7 +79,7 @@ def test_missing_recipe(tmp_path):
         (["--hflip_prob", "2"], "hflip_prob"),
         (["--auto_augment", "autoaug"], "auto_augment must be"),
         (["--randaugment_magnitude", "31"], r"randaugment_magnitude must be in \[0, 30\]"),
-        (["--class_weights", "inverse"], "class_weights must be none or balanced, got 'inverse'"),
+        (["--class_weights", "inverse"], "class_weights must be none, balanced or balanced_sampler, got 'inverse'"),
         (["--model_name_or_path", ""], "--config_name to train from scratch"),
     ],
 )
