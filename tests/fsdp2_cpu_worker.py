@@ -7,7 +7,7 @@ a fixed global batch, and writes what it held and the losses to <out>/rank{N}.js
 The whole script under FSDP2 is proven on GPUs (benchmarks/gpu_strategies.sh).
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \\
-        tests/fsdp2_cpu_worker.py MODEL_DIR OUT_DIR STEPS [lora]
+        tests/fsdp2_cpu_worker.py MODEL_DIR OUT_DIR STEPS [lora] [--save-at K --checkpoint DIR] [--resume-from DIR]
 
 With `lora`, the model is first wrapped by our LoRA set-up (vit_recipes.lora.apply_lora: query/value adapters plus
 the full head), as `--use_peft` does before the Trainer hands it to accelerate. After training, the worker then saves
@@ -15,20 +15,35 @@ the adapter the way the script does under FSDP2 (`save_adapter`): our save_final
 save_model/_save (accelerator.get_state_dict -> PeftModel.save_pretrained(state_dict=...)), once as an adapter into
 <out>/adapter and once merged (--merge_adapter) into <out>/merged, next to <out>/trained.safetensors: the trained
 adapter and head, gathered straight from the shards, for the test to compare the files with.
+
+With `--save-at K --checkpoint DIR`, the worker saves after step K what the Trainer's checkpoint holds for resuming
+under FSDP (`_save_optimizer_and_scheduler`: accelerate's save_fsdp_model + save_fsdp_optimizer, in the plugin's
+state-dict type) plus the step reached, and trains on. With `--resume-from DIR`, it loads that model and optimizer
+state as the Trainer does on resume (`_load_from_checkpoint` + `_load_optimizer_and_scheduler`: load_fsdp_model +
+load_fsdp_optimizer, after the model is sharded and the optimizer created) and continues the same fixed batches from
+step K+1 to STEPS, in however many processes it was launched with: the global batch stays 8, split over the ranks.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    load_fsdp_model,
+    load_fsdp_optimizer,
+    save_fsdp_model,
+    save_fsdp_optimizer,
+)
 from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_canonicalize_names, fsdp2_prepare_model
 from transformers import ViTForImageClassification
+from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
 
 from vit_recipes.adapters import save_final_model
 from vit_recipes.arguments import LoraArguments, ModelArguments
@@ -88,7 +103,37 @@ def save_adapter(accelerator, model, output_dir: Path, setup: FinetuneSetup) -> 
     accelerator.wait_for_everyone()
 
 
-def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
+STEP_FILE = "worker_step.json"  # the step reached (the Trainer reads it from trainer_state.json)
+
+
+def save_checkpoint(accelerator, plugin, model, optimizer, folder: Path, step: int) -> None:
+    """The FSDP part of the Trainer's _save_optimizer_and_scheduler, with its arguments: every rank takes part (the
+    state is gathered from the shards); under FULL_STATE_DICT rank 0 writes pytorch_model_fsdp.bin and optimizer.bin."""
+    save_fsdp_model(plugin, accelerator, model, str(folder), **get_fsdp_ckpt_kwargs())
+    save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(folder))
+    if accelerator.is_main_process:
+        (folder / STEP_FILE).write_text(json.dumps({"global_step": step, "world_size": accelerator.num_processes}))
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(accelerator, plugin, model, optimizer, folder: Path) -> int:
+    """What the Trainer's _prepare_for_training does on resume under FSDP, after the model is prepared and the
+    optimizer created: _load_from_checkpoint (load_fsdp_model) then _load_optimizer_and_scheduler
+    (load_fsdp_optimizer), with its arguments. Returns the step the checkpoint was saved after."""
+    load_fsdp_model(plugin, accelerator, model, str(folder), **get_fsdp_ckpt_kwargs())
+    load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(folder), **get_fsdp_ckpt_kwargs())
+    return json.loads((folder / STEP_FILE).read_text())["global_step"]
+
+
+def main(
+    model_dir: str,
+    out_dir: str,
+    steps: int,
+    lora: bool = False,
+    save_at: int | None = None,
+    checkpoint: str | None = None,
+    resume_from: str | None = None,
+) -> None:
     accelerator = Accelerator(cpu=True)  # a gloo process group over the ranks accelerate launch started
     plugin = FullyShardedDataParallelPlugin()  # filled from the FSDP_* variables accelerate launch set
     accelerator.state.fsdp_plugin = plugin
@@ -108,9 +153,13 @@ def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
         model = fsdp2_apply_ac(accelerator, model)
     model = fsdp2_prepare_model(accelerator, model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
+    start = load_checkpoint(accelerator, plugin, model, optimizer, Path(resume_from)) if resume_from else 0
 
     losses = []
-    for pixels, labels in fixed_batches(model.config, steps):  # PeftModel forwards .config
+    batches = fixed_batches(model.config, steps)  # PeftModel forwards .config
+    for step, (pixels, labels) in enumerate(batches, start=1):
+        if step <= start:  # drawn all the same: the batches after the checkpoint are those of the whole run
+            continue
         share = pixels.shape[0] // world
         mine = slice(rank * share, (rank + 1) * share)
         loss = model(pixel_values=pixels[mine], labels=labels[mine]).loss
@@ -120,6 +169,8 @@ def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
         whole = loss.detach().clone()
         torch.distributed.all_reduce(whole)
         losses.append(whole.item() / world)
+        if step == save_at:
+            save_checkpoint(accelerator, plugin, model, optimizer, Path(checkpoint), step)
 
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -145,7 +196,8 @@ def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
         "trainable_dtensors": sum(isinstance(p, DTensor) and p.requires_grad for p in model.parameters()),
         "full_numel": sum(full.values()),
         "local_numel": sum(local.values()),
-        "losses": losses,
+        "first_step": start + 1,
+        "losses": losses,  # of steps first_step..STEPS
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,5 +221,29 @@ def main(model_dir: str, out_dir: str, steps: int, lora: bool = False) -> None:
     accelerator.wait_for_everyone()
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("lora", nargs="?", choices=["lora"])
+    parser.add_argument("--save-at", type=int, help="save a checkpoint after this step (into --checkpoint)")
+    parser.add_argument("--checkpoint", help="the folder --save-at saves into")
+    parser.add_argument("--resume-from", help="a folder --save-at wrote: continue after its step")
+    args = parser.parse_args(argv)
+    if (args.save_at is None) != (args.checkpoint is None):
+        parser.error("--save-at and --checkpoint go together")
+    return args
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), lora=sys.argv[4:] == ["lora"])
+    args = parse()
+    main(
+        args.model_dir,
+        args.out_dir,
+        args.steps,
+        lora=args.lora == "lora",
+        save_at=args.save_at,
+        checkpoint=args.checkpoint,
+        resume_from=args.resume_from,
+    )
