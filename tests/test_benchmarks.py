@@ -704,3 +704,62 @@ def test_report_states_each_run_against_the_peer_with_8_workers(tmp_path):
     (plain / "ours.json").write_text(json.dumps(record("ours", 2500.0)))
     assert bench_report.main([str(plain)]) == 0
     assert "x peer" not in (plain / "results.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------------- compile parity
+
+
+def load_compile_parity():
+    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(BENCH))  # it imports transfer.py and patch_dropout.py, scripts beside it
+    spec = importlib.util.spec_from_file_location("benchmarks_compile_parity", BENCH / "compile_parity.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # registered first: its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compile_parity_verdict_is_within_twice_the_larger_std_or_half_a_point():
+    parity = load_compile_parity()
+    noisy = parity.verdict([0.80, 0.82, 0.84], [0.83, 0.85, 0.87])  # std 2 points each: 3 points is within 4
+    assert noisy == {"difference": 0.03, "tolerance": 0.04, "verdict": "within seed noise"}
+    assert parity.verdict([0.80, 0.82, 0.84], [0.86, 0.88, 0.90])["verdict"] == "differs"  # 6 points > 4
+    steady = parity.verdict([0.900, 0.901, 0.902], [0.905, 0.906, 0.907])  # std 0.1 point: the 0.5-point floor
+    assert steady["tolerance"] == 0.005 and steady["verdict"] == "within seed noise"
+    assert parity.verdict([0.900, 0.901, 0.902], [0.907, 0.908, 0.909])["verdict"] == "differs"
+
+
+@pytest.mark.slow
+def test_compile_parity_runs_both_modes_per_seed_on_real_fashion_mnist(tmp_path, capsys):
+    """The CPU preset end to end (~1 min): eager vs the compiled path (aot_eager, as a CPU's default is eager)."""
+    parity = load_compile_parity()
+    if not (parity.Path(parity.transfer.FASHION_MNIST) / "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"Fashion-MNIST not found in {parity.transfer.FASHION_MNIST}")
+    flags = "--torch_compile_regions true --torch_compile_backend aot_eager"
+    record = parity.main(["--preset", "cpu", "--seeds", "0", "1", "--compiled_flags", flags, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert f"default mode: `{flags}` (given by --compiled_flags)" in printed
+    assert sum(line.startswith(("  eager seed", "default seed")) for line in printed.splitlines()) == 4
+    saved = json.loads((tmp_path / "compile_parity.json").read_text())
+    assert saved["summary"] == record["summary"] and saved["commit"] and saved["device"].startswith("CPU")
+    assert sorted((r["mode"], r["seed"]) for r in saved["runs"]) == [
+        ("default", 0), ("default", 1), ("eager", 0), ("eager", 1)
+    ]  # fmt: skip
+    for run in saved["runs"]:
+        assert run["compiled"] == (run["mode"] == "default") and not run["compile_fell_back"]
+        assert [step for step, _ in run["loss"]] == list(range(5, 101, 5))  # logged every 5 of 100 steps
+        assert run["loss"][-1][1] < run["loss"][0][1]  # it learned
+        assert run["test_accuracy"] > 0.2 and run["test_images"] == 500  # no evaluation image dropped
+        assert run["train_images_per_second"] > 0 and "--seed" in run["command"]
+    summary = saved["summary"]
+    assert set(summary["modes"]) == {"eager", "default"} and summary["modes"]["eager"]["runs"] == 2
+    assert (
+        summary["verdict"]
+        == parity.verdict(
+            *([r["test_accuracy"] for r in saved["runs"] if r["mode"] == m] for m in ("eager", "default"))
+        )["verdict"]
+    )
+    table = (tmp_path / "compile_parity.md").read_text()
+    assert "| eager | 2 |" in table and "**Verdict:" in table and "2 x the larger" in table
+    png = (tmp_path / "loss_curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000

@@ -160,3 +160,18 @@ def test_a_failing_compile_trains_eagerly_with_one_warning(
     assert "RuntimeError: no C++ compiler found" in out and "Traceback" not in out
     run_script(*run_args(cifar_like, tiny_vit, tmp_path / "eager", *common))
     assert logged_losses(tmp_path / "broken") == pytest.approx(logged_losses(tmp_path / "eager"), rel=1e-6)
+
+
+def test_compiled_runs_drop_short_batches_in_training_only(cifar_like, tiny_vit, tmp_path, run_script, monkeypatch):
+    """torch.compile drops each epoch's short last training batch (a new shape recompiles), but evaluation and the
+    test split score every image: 100 test images in batches of 64 are 100 results, not 64."""
+    import csv
+
+    from conftest import run_args
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")  # restored after the test
+    out = tmp_path / "compiled"
+    run_script(*run_args(cifar_like, tiny_vit, out, "--max_steps", "2", "--plots", "false", "--per_device_eval_batch_size",
+                         "64", "--torch_compile_regions", "true", "--torch_compile_backend", "aot_eager"))  # fmt: skip
+    with open(out / "per_class_accuracy_test.csv") as f:
+        assert sum(int(row["support"]) for row in csv.DictReader(f)) == 100

@@ -235,7 +235,9 @@ def compile_regions(t, regions: bool = True) -> None:
     if not t.dataloader_drop_last:
         # An epoch's short last batch is a new shape that torch.compile recompiles for, every epoch (tens of seconds
         # on a GPU); dropping it costs under one batch of images per epoch.
-        logger.info("torch.compile: dropping each epoch's incomplete last batch (a new shape would recompile)")
+        logger.info(
+            "torch.compile: dropping each epoch's incomplete last training batch (a new shape would recompile)"
+        )
         t.dataloader_drop_last = True
 
 

@@ -77,6 +77,16 @@ class ImageClassificationTrainer(Trainer):
 
         self.accelerator.backward = labelled_backward
 
+    def _get_dataloader(self, *args, is_training=False, **kwargs):
+        # The Trainer drops short last batches everywhere; we drop them (for torch.compile) in training only, so
+        # evaluation and prediction score every image.
+        drop_last = self.args.dataloader_drop_last
+        self.args.dataloader_drop_last = drop_last and is_training
+        try:
+            return super()._get_dataloader(*args, is_training=is_training, **kwargs)
+        finally:
+            self.args.dataloader_drop_last = drop_last
+
     def _get_train_sampler(self, train_dataset=None):
         if self.sample_weights is None:
             return super()._get_train_sampler(train_dataset)
