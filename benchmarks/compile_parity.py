@@ -101,12 +101,13 @@ def train(work: Path, data: Path, preset: Preset, mode: str, flags: list[str], s
     result = transfer.Runner()(mode, seed, argv, out)
     state = json.loads((out / "trainer_state.json").read_text())
     log = (work / f"{name}.log").read_text()
+    card = (out / "README.md").read_text()  # its hyperparameters hold the resolved --torch_compile_regions
     per_class = (out / "per_class_accuracy_test.csv").read_text()  # class_id,label,support,...
     return {
         "mode": mode,
         "seed": seed,
-        # What ran, read off the script's log: the default's compile line, or a compilation that fell back to eager.
-        "compiled": "--torch_compile_regions true" in " ".join(flags) or "Regional compilation on" in log,
+        # What ran: the card's resolved setting, and the log's warning when a compilation fell back to eager.
+        "compiled": "| torch_compile_regions | True |" in card,
         "compile_fell_back": "torch.compile failed" in log,
         "loss": [(e["step"], e["loss"]) for e in state["log_history"] if "loss" in e and "step" in e],
         "validation_accuracy": result.results["eval_accuracy"],
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     work = Path(args.work) if args.work else out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     data = work / f"fashion-mnist-{args.preset}"
     if not (data / "data" / "train-00000-of-00001.parquet").is_file():
         try:

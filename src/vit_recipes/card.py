@@ -329,6 +329,7 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "optimizer": str(getattr(training.optim, "value", training.optim)),
         "precision": plan.precision,
         "gradient_checkpointing": training.gradient_checkpointing,
+        "torch_compile_regions": bool(training.torch_compile_regions),  # resolved: on by default on a GPU
         "label_smoothing": training.label_smoothing_factor,
         "class_weights": args.augment.class_weights,
         "multi_label_threshold": args.data.multi_label_threshold if splits.multi_label else None,
