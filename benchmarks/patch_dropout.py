@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     work = Path(args.work) if args.work else out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         base = transfer.pretrain(work, size, transfer.Runner(), args.fashion_mnist, reuse=True)
     except transfer.MissingData as err:
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarise(runs, args.rates)
     record = {
         "command": "python benchmarks/patch_dropout.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": git_commit(),
+        "commit": os.environ.get("BENCH_GIT_COMMIT") or git_commit(),  # a device's copy of the tree has no .git
         "device": transfer.device_description(),
         "base": f"ViT ({size.model}) pretrained on Fashion-MNIST, test accuracy "
         f"{base.results.get('test_accuracy', math.nan):.2%}",
