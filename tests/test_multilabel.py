@@ -101,6 +101,12 @@ def test_json_list_column_is_multi_label_with_sorted_names(tmp_path, caplog):
     assert rows == {(0.0, 1.0, 1.0), (0.0, 0.0, 1.0), (0.0, 0.0, 0.0), (1.0, 1.0, 0.0), (0.0, 1.0, 0.0)}
 
 
+def test_a_row_without_a_label_list_is_one_line_naming_the_split(tmp_path):
+    path = write_json_set(tmp_path / "json", [["cat"], None, ["dog"], ["cat", "dog"]] * 3)
+    with pytest.raises(RecipeError, match="split 'train' has 3 rows without a label list in 'tags'"):
+        load_splits(data_args(path, label_column_name="tags"))
+
+
 def test_one_label_per_image_trained_multi_label_when_asked(tmp_path, caplog):
     path = write_json_set(tmp_path / "json", ["b", "a", "c", "a"] * 5)
     with caplog.at_level(logging.WARNING):
