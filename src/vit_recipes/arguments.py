@@ -213,8 +213,7 @@ def tensorboard_available() -> bool:
 
 
 def resolve_report_to(report_to):
-    """Normalise `report_to` (a list, or "tensorboard,wandb"). TensorBoard, the default, is dropped with one warning
-    when it is not installed, instead of failing the run."""
+    """Normalise `report_to` (a list, or "tensorboard,wandb"); drop TensorBoard, with a warning, if not installed."""
     names = report_to if isinstance(report_to, (list, tuple)) else str(report_to or "none").split(",")
     names = [str(n).strip(" []'\"") for n in names]  # also tolerates a YAML list read as its string form
     names = [n for n in names if n]
@@ -288,11 +287,17 @@ class RecipeTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        _to_activation_checkpointing(self)
+        # The `activation_checkpointing*` names, where they exist (5.2x): the old ones print a FutureWarning every run
+        # there. TrainingArguments' __post_init__ mirrors the values back.
+        for old in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):
+            new = old.replace("gradient_", "activation_")
+            if hasattr(self, new) and getattr(self, new) is None and getattr(self, old) is not None:
+                setattr(self, new, getattr(self, old))
+                setattr(self, old, None)
         if self.dataloader_num_workers == 0:
             self.dataloader_persistent_workers = False
             self.dataloader_prefetch_factor = None
-        self.report_to = resolve_report_to(self.report_to)  # drops tensorboard, with one warning, if not installed
+        self.report_to = resolve_report_to(self.report_to)
         if self.torch_compile_regions:
             compile_regions(self)
         elif self.torch_compile:
@@ -303,16 +308,6 @@ class RecipeTrainingArguments(TrainingArguments):
             self.eval_strategy = "no"
         super().__post_init__()
         align_matmul_precision()
-
-
-def _to_activation_checkpointing(args: TrainingArguments) -> None:
-    """Move `gradient_checkpointing(_kwargs)` to the `activation_checkpointing*` names, where they exist (5.2x): the
-    old ones print a FutureWarning every run there. TrainingArguments' __post_init__ mirrors the values back."""
-    for old in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):
-        new = old.replace("gradient_", "activation_")
-        if hasattr(args, new) and getattr(args, new) is None and getattr(args, old) is not None:
-            setattr(args, new, getattr(args, old))
-            setattr(args, old, None)
 
 
 def align_matmul_precision() -> None:
@@ -394,9 +389,8 @@ class RunArguments:
 def parse_args(
     argv: list[str] | None = None, before_process_group: Callable[[bool], None] | None = None
 ) -> RunArguments:
-    """Parse recipe + command line (the command line wins) into the argument dataclasses.
-
-    `before_process_group(use_cpu)` runs first: building `TrainingArguments` starts a launch's process group."""
+    """Parse recipe + command line (the command line wins); `before_process_group(use_cpu)` runs before building
+    `TrainingArguments`, which starts a launch's process group."""
     argv = _attach_negative_numbers(sys.argv[1:] if argv is None else list(argv))
     parser = HfArgumentParser(ARGUMENT_CLASSES)
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are any of the arguments below.")

@@ -61,11 +61,8 @@ def _metric_spec(key: str) -> dict | None:
     if key == "mean_average_precision":
         return {"metric_type": "mean_average_precision", "metric_name": "mAP"}
     if key == "subset_accuracy":
-        return {
-            "metric_type": "accuracy",
-            "metric_name": "Subset accuracy (exact match)",
-            "metric_args": {"subset": True},
-        }
+        name = "Subset accuracy (exact match)"
+        return {"metric_type": "accuracy", "metric_name": name, "metric_args": {"subset": True}}
     if m := re.fullmatch(r"top_?(\d+)_?accuracy", key):
         return {"metric_type": f"top_{m[1]}_accuracy", "metric_name": f"Top-{m[1]} accuracy"}
     if m := re.fullmatch(r"(f1|precision|recall)(?:_(macro|micro|weighted))?", key):
@@ -117,11 +114,9 @@ def _summary(info: CardInfo, validation: dict, test: dict) -> str:
         data = f"the local dataset `{info.dataset_id}`"
     count = len(info.label_names)
     names = ", ".join(info.label_names[:10]) + (", ..." if count > 10 else "")
-    task = (
-        f"tag images with any of {count} labels (multi-label)"
-        if info.multi_label
-        else f"classify images into {count} classes"
-    )
+    task = f"classify images into {count} classes"
+    if info.multi_label:
+        task = f"tag images with any of {count} labels (multi-label)"
     text = f"This model is {origin}, trained on {data} to {task} ({names})."
     if info.multi_label:
         for split, metrics in (("test", test), ("validation", validation)):

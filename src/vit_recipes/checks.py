@@ -18,8 +18,6 @@ from .launch import is_true, visible_gpus
 from .memory import host_memory_for, model_size_from_args
 from .run_dir import WRITE_PROBE
 
-MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
-
 
 def config_value(config: dict | None, dotted: str):
     """`config["a"]["b"]` for "a.b", None where any part is missing."""
@@ -59,7 +57,11 @@ def check_plan(plan, args) -> None:
         )
     if plan.precision == "bf16" and plan.device == "cuda" and not gpu_bf16_ok():
         raise RecipeError("bf16 is not supported by this GPU (it needs Ampere or newer): use --fp16 true instead")
-    _check_table_refusals(plan, args)
+    asked = {"torch_compile_regions": getattr(t, "torch_compile_regions", False), "fp8": getattr(t, "fp8", False)}
+    for feature, on in {**asked, "lora": args.lora.use_peft}.items():  # what the strategy's table row refuses
+        if on and not strategy.spec.supports(feature):
+            refusal, source = strategy.spec.refusals[feature], strategy.deepspeed_source
+            raise RecipeError(f"{source}: {refusal}" if source else refusal)
     if strategy.deepspeed:
         _check_deepspeed(plan, t)
     if strategy.offload_optimizer or strategy.offload_params:
@@ -106,20 +108,6 @@ def gpu_bf16_ok() -> bool:
     import torch
 
     return bool(torch.cuda.is_bf16_supported())
-
-
-def _check_table_refusals(plan, args) -> None:
-    """What the strategy's row in the table refuses (strategies.py)."""
-    spec = plan.strategy.spec
-    asked = {
-        "torch_compile_regions": getattr(args.training, "torch_compile_regions", False),
-        "fp8": getattr(args.training, "fp8", False),
-        "lora": args.lora.use_peft,
-    }
-    for feature, on in asked.items():
-        if on and not spec.supports(feature):
-            source = plan.strategy.deepspeed_source
-            raise RecipeError(f"{source}: {spec.refusals[feature]}" if source else spec.refusals[feature])
 
 
 def deepspeed_conflicts(config: dict, training_args, global_batch: int, world_size: int) -> list[str]:
@@ -226,13 +214,12 @@ def check_fp8(on_cpu: bool) -> None:
 
     if not torchao_installed():
         raise RecipeError("--fp8 needs torchao: pip install 'vit-recipes[fp8]' (or pip install torchao)")
-    if not on_cpu and torch.cuda.is_available():
-        capability = torch.cuda.get_device_capability()
-        if capability < MIN_FP8_CAPABILITY:
-            raise RecipeError(
-                f"--fp8 needs FP8 tensor cores (compute capability 8.9+, e.g. H100, H200, L40S); this GPU is "
-                f"{capability[0]}.{capability[1]}: drop --fp8"
-            )
+    # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer.
+    if not on_cpu and torch.cuda.is_available() and (capability := torch.cuda.get_device_capability()) < (8, 9):
+        raise RecipeError(
+            f"--fp8 needs FP8 tensor cores (compute capability 8.9+, e.g. H100, H200, L40S); this GPU is "
+            f"{capability[0]}.{capability[1]}: drop --fp8"
+        )
 
 
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")

@@ -1,10 +1,6 @@
-"""From a dataset name to train/validation/test splits of uint8 image arrays with integer labels.
-
-`load_splits` loads a preset, Hub id or local path, finds the image and label columns, maps labels to ids and picks
-or carves the splits. `decode_splits` decodes every image once into a fixed-size uint8 CHW array (cached on disk by
-`datasets`), so epochs only slice arrays; resizing, augmentation and normalisation run on the device (transforms.py).
-Corrupt images are skipped, never fatal hours into a run: logged and listed in `skipped_images.json`.
-"""
+"""From a dataset name to labelled splits of uint8 CHW images, decoded once (cached on disk by `datasets`) so epochs
+only slice arrays; resizing, augmentation and normalisation run on the device (transforms.py). Corrupt images are
+skipped, never fatal hours into a run: logged and listed in `skipped_images.json`."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import logging
 import os
 import re
 from collections import Counter, namedtuple
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import datasets
@@ -460,9 +456,8 @@ def decode_splits(
         if skipped_here:
             skipped[name] = skipped_here
     train, validation, test = (decoded.get(name) for name in ("train", "validation", "test"))
-    names, source = splits.label_names, splits.label_source
-    shape, white, multi = storage.shape, storage.white, splits.multi_label
-    return ImageSplits(train, validation, test, PIXELS, names, source, shape, white, skipped, notes, multi)
+    stored = dict(image_column=PIXELS, storage_shape=storage.shape, white=storage.white, skipped=skipped, notes=notes)
+    return replace(splits, train=train, validation=validation, test=test, **stored)
 
 
 def balanced_weights(splits: ImageSplits) -> torch.Tensor:

@@ -186,16 +186,10 @@ def build_plan(args: RunArguments) -> RunPlan:
     strategy = read_strategy(t)
     global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * strategy.world_size
     # What makes a checkpoint this run's: a checkpoint written under other settings is refused on auto-resume.
-    identity = {
-        **run_config(args),
-        "strategy": strategy.name,
-        "global_batch": global_batch,
-        "recipe": args.recipe,
-    }
+    identity = {**run_config(args), "strategy": strategy.name, "global_batch": global_batch, "recipe": args.recipe}
     plan = RunPlan(strategy, precision_of(t), device_kind(t), global_batch, resolve_output_dir(t, identity), identity)
     check_plan(plan, args)
-    spec = strategy.spec
-    resumed = f" from {plan.resume_from}" if plan.resume_from else ""
+    spec, resumed = strategy.spec, f" from {plan.resume_from}" if plan.resume_from else ""
     logger.info(
         f"Plan: {spec.label} on {strategy.world_size} process(es) (sharded: {spec.shards}), {plan.precision} on "
         f"{plan.device}, global batch {global_batch}, output dir {plan.output.state}{resumed}"

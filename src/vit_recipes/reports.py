@@ -67,7 +67,13 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     if title:
         ax.set_title(title)
     if num_classes <= MAX_ANNOTATED_CLASSES:
-        _annotate(ax, matrix, normalised, side)
+        # Size the counts to fit their cells (the matrix spans ~70% of the figure side; 72 points per inch).
+        cell = 0.7 * side * 72 / len(matrix)
+        cell_font = min(10.0, max(4.0, 1.2 * cell / max(2, len(str(matrix.max())))))
+        for (i, j), count in np.ndenumerate(matrix):
+            if count:  # empty cells stay blank to keep the plot quiet
+                colour = "white" if normalised[i, j] > 0.5 else "black"
+                ax.text(j, i, str(count), ha="center", va="center", fontsize=cell_font, color=colour)
     fig.tight_layout()
     fig.savefig(path)
     return path
@@ -94,16 +100,6 @@ def _shorten(name: str, limit: int = 24) -> str:
     # Cut the middle: the ends of long names (e.g. "n01440764_tench") tell classes apart best.
     name = str(name)
     return name if len(name) <= limit else name[: limit // 2 - 1] + "…" + name[-(limit // 2) :]
-
-
-def _annotate(ax, matrix: np.ndarray, normalised: np.ndarray, side: float) -> None:
-    # Size the counts to fit their cells (the matrix spans ~70% of the figure side; 72 points per inch).
-    cell = 0.7 * side * 72 / len(matrix)
-    font = min(10.0, max(4.0, 1.2 * cell / max(2, len(str(matrix.max())))))
-    for (i, j), count in np.ndenumerate(matrix):
-        if count:  # empty cells stay blank to keep the plot quiet
-            colour = "white" if normalised[i, j] > 0.5 else "black"
-            ax.text(j, i, str(count), ha="center", va="center", fontsize=font, color=colour)
 
 
 def per_class_multi_label(logits: np.ndarray, targets: np.ndarray, label_names: list[str], threshold: float) -> list:
@@ -136,11 +132,8 @@ def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
     total = sum(row["support"] for row in rows)
     if key == "accuracy":
         overall = f"{sum(row['correct'] for row in rows) / total:.2%}" if total else "n/a"
-        lines = [
-            f"## Per-class accuracy ({split})",
-            "",
-            f"Accuracy {overall} on {total} samples, {len(rows)} classes.",
-        ]
+        counted = f"Accuracy {overall} on {total} samples, {len(rows)} classes."
+        lines = [f"## Per-class accuracy ({split})", "", counted]
         header, missing, fields = "| Class | Accuracy | Support |\n|---|---:|---:|", "samples", ()
     else:
         mean = f"{np.mean([row[key] for row in scored]):.4f}" if scored else "n/a"

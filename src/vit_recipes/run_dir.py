@@ -156,12 +156,9 @@ def to_universal(checkpoint: str | os.PathLike) -> None:
     tag = (folder / "latest").read_text().strip()
     out = folder / f"{tag}_universal"
     shutil.rmtree(out, ignore_errors=True)
+    folders = dict(input_folder=str(folder / tag), output_folder=str(out), strict=True, inject_missing_state=True)
     options = dict(num_extract_workers=min(4, os.cpu_count() or 1), num_merge_workers=1, keep_temp_folder=False)
-    ds_to_universal.main(
-        SimpleNamespace(
-            input_folder=str(folder / tag), output_folder=str(out), strict=True, inject_missing_state=True, **options
-        )
-    )
+    ds_to_universal.main(SimpleNamespace(**folders, **options))
 
 
 def record_run(output_dir: str, run: dict) -> None:

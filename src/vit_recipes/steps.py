@@ -186,10 +186,9 @@ def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
 def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, plots: bool) -> dict:
     """Confusion matrix and per-class accuracy (multi-label: per-class AP, precision, recall, F1) of the last evaluated
     split; loss/lr/metric/throughput plots."""
-    reports = {}
     if not trainer.is_world_process_zero():
-        return reports
-    output_dir = trainer.args.output_dir
+        return {}
+    reports, output_dir = {}, trainer.args.output_dir
     if predictions:
         split, output = predictions
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
@@ -246,22 +245,17 @@ def publish(trainer, args: RunArguments, plan: RunPlan, argv, splits, results, r
             raise RecipeError(hub_error_message(err, "push the model", trainer.args.output_dir)) from None
 
 
-def imbalance_lines(results: dict, reports: dict, skew: tuple[int, int] | None) -> list[str]:
-    """With imbalanced classes, plain accuracy flatters a model that ignores the small ones: what to read first."""
-    split = "test" if "test_recall_macro" in results else "eval"
-    if not skew or f"{split}_recall_macro" not in results:
-        return []
-    worst = ", ".join(f"{label} {recall:.2%}" for label, recall in reports.get("worst_recall", []))
-    return [
-        f"classes are imbalanced in train ({skew[0]} to {skew[1]} images per class): read these before accuracy",
-        f"{split}_balanced_accuracy (mean per-class recall): {results[f'{split}_recall_macro']:.4f}",
-        f"{split}_f1_macro: {results[f'{split}_f1_macro']:.4f}",
-        *([f"worst classes' recall: {worst}"] if worst else []),
-    ]
-
-
 def summary(results: dict, output_dir: str, reports: dict, skew: tuple[int, int] | None = None) -> None:
-    lines = imbalance_lines(results, reports, skew)
+    lines = []
+    split = "test" if "test_recall_macro" in results else "eval"
+    if skew and f"{split}_recall_macro" in results:  # plain accuracy flatters a model that ignores small classes
+        worst = ", ".join(f"{label} {recall:.2%}" for label, recall in reports.get("worst_recall", []))
+        lines += [
+            f"classes are imbalanced in train ({skew[0]} to {skew[1]} images per class): read these before accuracy",
+            f"{split}_balanced_accuracy (mean per-class recall): {results[f'{split}_recall_macro']:.4f}",
+            f"{split}_f1_macro: {results[f'{split}_f1_macro']:.4f}",
+            *([f"worst classes' recall: {worst}"] if worst else []),
+        ]
     lines += [f"{k}: {v:.4f}" for k, v in results.items() if k.endswith(("accuracy", "mean_average_precision"))]
     phases = {k[5:-2]: v for k, v in results.items() if k.startswith("time_") and k != "time_total_s"}
     if phases:  # where the wall time went (time_<phase>_s in all_results.json)

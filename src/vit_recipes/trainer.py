@@ -35,10 +35,9 @@ class _StopAtTheLastStep(TrainerCallback):
 
 
 class ImageClassificationTrainer(Trainer):
-    """`Trainer` plus device transforms (uint8 batches resized, augmented or centre-cropped and normalised on the
-    device), our loss (label smoothing, or soft targets under mixup/cutmix; multi-hot labels: binary cross-entropy
-    with logits, class weights as its pos_weight), checkpoints that record their run and
-    loss last, once complete (run_dir.py), resumes that never train past the last step, and our model card."""
+    """`Trainer` plus device transforms (uint8 batches augmented and normalised on the device), our loss (label
+    smoothing, mixup/cutmix soft targets, multi-label BCE), checkpoints that record their run and loss last, once
+    complete (run_dir.py), resumes that never train past the last step, and our model card."""
 
     def __init__(
         self,
@@ -98,9 +97,8 @@ class ImageClassificationTrainer(Trainer):
         if self.is_deepspeed_enabled and resume_from_checkpoint:
             # Converted for another process count (plan.configure): the engine, built by train(), reads this flag.
             universal = os.path.isfile(os.path.join(resume_from_checkpoint, "latest_universal"))
-            self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = (
-                universal
-            )
+            ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            ds_config.setdefault("checkpoint", {})["load_universal"] = universal
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next
@@ -205,23 +203,21 @@ class ImageClassificationTrainer(Trainer):
             mark_complete(folder, self.run_identity)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        model = model if model is not None else self.model
+        # transformers 5.2x saves ViT under its original key names but resumes with a raw load_state_dict, which
+        # silently leaves the new layer names unloaded. from_pretrained applies the key conversion.
+        weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(model, PreTrainedModel)
         try:
-            self._load_weights(resume_from_checkpoint, model if model is not None else self.model)
+            if not (plain and os.path.isfile(weights)):
+                return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
+            model.load_state_dict(loaded.state_dict(), strict=True)
         except Exception as err:  # truncated or corrupt files: SafetensorError, UnpicklingError, OSError, ...
             raise RecipeError(
                 f"cannot read the weights of {resume_from_checkpoint} ({first_line(err)}): delete that folder to "
                 "resume from the checkpoint before it, or pass --overwrite_output_dir to start over"
             ) from err
-
-    def _load_weights(self, resume_from_checkpoint, model):
-        # transformers 5.2x saves ViT under its original key names but resumes with a raw load_state_dict, which
-        # silently leaves the new layer names unloaded. from_pretrained applies the key conversion.
-        weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
-        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(model, PreTrainedModel)
-        if not (plain and os.path.isfile(weights)):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
-        model.load_state_dict(loaded.state_dict(), strict=True)
 
     def create_model_card(self, *args, **kwargs):
         # push_to_hub calls this before uploading: ours replaces transformers' generic card.
