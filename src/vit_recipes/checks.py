@@ -240,7 +240,7 @@ def deepspeed_checkpoint_world_size(checkpoint: str | os.PathLike) -> int | None
 
 def check_resume(strategy, checkpoint: str | None) -> None:
     """A DeepSpeed checkpoint resumes only under DeepSpeed; ZeRO-1/2 on any process count (plan.configure converts
-    it), ZeRO-3 on its own: its universal conversion resumed the first step exactly, then drifted from the run."""
+    it), ZeRO-3 on its own: its universal load drifts from the run, even on the same process count."""
     if not checkpoint:
         return
     saved = deepspeed_checkpoint_world_size(checkpoint)
