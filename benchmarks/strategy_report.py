@@ -6,7 +6,8 @@ Reads every benchmark record (JSON written by benchmarks/run.py; one record or a
 recursively; other JSON is ignored: report.load_records) and, where a record has a `trace_dir` holding profiler
 traces, the traces. Writes the markdown report and its charts (into STEM_files/ next to it): per model,
 throughput, memory per GPU, step-time breakdown, communication overhead, scaling efficiency and MFU per strategy,
-and a "use this when" line for each strategy (names, order and advice: the table in vit_recipes/strategies.py).
+and a "use this when" line for each strategy (names and order: the table in vit_recipes/strategies.py; advice:
+USE_WHEN below).
 
 Record fields used (all optional except `strategy`): name, strategy, gpus, model, per_device_batch, precision,
 gradient_checkpointing, device, command, git_commit, versions, status, failure, error, fixture, trace_dir, and
@@ -383,6 +384,30 @@ SUMMARY_HEADERS = [
 ]
 
 
+# When to pick each strategy of the table (vit_recipes.strategies), in the report's advice lines.
+USE_WHEN = {
+    "single": "the model, gradients and optimizer state fit on one GPU and one GPU is fast enough: no communication "
+    "at all, simplest to debug.",
+    "ddp": "the model and optimizer state fit on every GPU: usually the fastest multi-GPU option; gradients are "
+    "all-reduced in buckets while the backward pass still runs.",
+    "zero1": "DDP fits but optimizer state is the memory problem: it is sharded across GPUs for about DDP's "
+    "communication.",
+    "zero2": "DDP fits only with a small batch: optimizer state and gradients are sharded (reduce-scatter instead of "
+    "all-reduce) for little extra communication.",
+    "zero2_offload": "ZeRO-2 still runs out of memory: optimizer state lives in CPU RAM and the optimizer steps on "
+    "the CPU; much slower, use it to make a run fit, not to go fast.",
+    "zero3": "the model itself (or the batch you need) does not fit on one GPU: parameters are sharded too and "
+    "gathered layer by layer in forward and backward, the most communication of all.",
+    "zeropp": "ZeRO-3 across nodes or on a slow interconnect: quantised gradient communication and hierarchical "
+    "partitioning cut the traffic.",
+    "zero3_offload": "ZeRO-3 still runs out of memory: parameters and optimizer state go to CPU RAM; the slowest "
+    "option, for models that fit no other way.",
+    "fsdp2": "you want ZeRO-3-style sharding in plain PyTorch (per-parameter DTensor sharding, no DeepSpeed), e.g. "
+    "with torch.compile; scales best of the sharded strategies.",
+    "fsdp2_offload": "FSDP2 still runs out of memory: parameters and optimizer state are offloaded to CPU RAM.",
+}
+
+
 def use_when_lines(variants: list[Variant], runs: list[Run]) -> list[str]:
     ok = [v for v in variants if v.best is not None]
     section_gpus = max((v.key[1] for v in variants), default=1)
@@ -416,10 +441,8 @@ def use_when_lines(variants: list[Variant], runs: list[Run]) -> list[str]:
                 facts.append(
                     f"{memories[v.label]:.1f} GiB per GPU{where}" + (" (the least)" if v.label == leanest else "")
                 )
-        try:
-            advice = strategies.get(strategy).use_when
-        except KeyError:  # a strategy the table does not know (a record from an experiment)
-            advice = "the numbers above suit you."
+        # a strategy the table does not know: a record from an experiment
+        advice = USE_WHEN.get(strategy, "the numbers above suit you.")
         advice = f"use this when {advice}" if strategy not in seen else "when to use it: see above."
         seen.add(strategy)
         lines.append(f"- **{v.label}**: {advice} Measured: {'; '.join(facts)}.")

@@ -55,6 +55,9 @@ def test_report_table_for_two_gpus(report):
 
 def test_use_this_when_and_breakdown(report):
     text = report.read_text()
+    from vit_recipes import strategies
+
+    assert set(strategy_report.USE_WHEN) == {s.name for s in strategies.STRATEGIES}  # advice for every row
     base = section(text, "## vit-base, 2 GPUs")
     for strategy in ("single x1", "ddp x2", "zero1 x2", "zero2 x2", "zero3 x2", "zero3_offload x2", "fsdp2 x2"):
         assert f"- **{strategy} (" in base, strategy

@@ -20,7 +20,6 @@ class StrategySpec:
     offload: bool = False  # optimizer states (and, for stage 3 and FSDP2, parameters) live in host memory
     # Features refused, each with its one-line reason (keys: `lora`, `torch_compile_regions`, `fp8`); others work.
     refusals: dict[str, str] = field(default_factory=dict)
-    use_when: str = ""  # when to pick it (advisor, reports, docs)
 
     def supports(self, feature: str) -> bool:
         return feature not in self.refusals
@@ -59,27 +58,6 @@ _ROWS = (  # name, label, accelerate config, DeepSpeed JSON (under accelerate_co
     ("fsdp2", "FSDP2", "fsdp.yaml", None, None, _ALL),
     ("fsdp2_offload", "FSDP2 + offload", "fsdp_offload.yaml", None, None, _ALL),
 )
-_USE_WHEN = {
-    "single": "the model, gradients and optimizer state fit on one GPU and one GPU is fast enough: no communication "
-    "at all, simplest to debug.",
-    "ddp": "the model and optimizer state fit on every GPU: usually the fastest multi-GPU option; gradients are "
-    "all-reduced in buckets while the backward pass still runs.",
-    "zero1": "DDP fits but optimizer state is the memory problem: it is sharded across GPUs for about DDP's "
-    "communication.",
-    "zero2": "DDP fits only with a small batch: optimizer state and gradients are sharded (reduce-scatter instead of "
-    "all-reduce) for little extra communication.",
-    "zero2_offload": "ZeRO-2 still runs out of memory: optimizer state lives in CPU RAM and the optimizer steps on "
-    "the CPU; much slower, use it to make a run fit, not to go fast.",
-    "zero3": "the model itself (or the batch you need) does not fit on one GPU: parameters are sharded too and "
-    "gathered layer by layer in forward and backward, the most communication of all.",
-    "zeropp": "ZeRO-3 across nodes or on a slow interconnect: quantised gradient communication and hierarchical "
-    "partitioning cut the traffic.",
-    "zero3_offload": "ZeRO-3 still runs out of memory: parameters and optimizer state go to CPU RAM; the slowest "
-    "option, for models that fit no other way.",
-    "fsdp2": "you want ZeRO-3-style sharding in plain PyTorch (per-parameter DTensor sharding, no DeepSpeed), e.g. "
-    "with torch.compile; scales best of the sharded strategies.",
-    "fsdp2_offload": "FSDP2 still runs out of memory: parameters and optimizer state are offloaded to CPU RAM.",
-}
 
 
 def _spec(name, label, accelerate, deepspeed, stage, shards) -> StrategySpec:
@@ -89,8 +67,7 @@ def _spec(name, label, accelerate, deepspeed, stage, shards) -> StrategySpec:
     if stage == 3:
         refusals["torch_compile_regions"] = _ZERO3_REGIONS
     accelerate, deepspeed = accelerate and f"accelerate_configs/{accelerate}", deepspeed and f"ds_configs/{deepspeed}"
-    offload, use_when = name.endswith("_offload"), _USE_WHEN[name]
-    return StrategySpec(name, label, accelerate, deepspeed, stage, shards, offload, refusals, use_when)
+    return StrategySpec(name, label, accelerate, deepspeed, stage, shards, name.endswith("_offload"), refusals)
 
 
 STRATEGIES: tuple[StrategySpec, ...] = tuple(_spec(*row) for row in _ROWS)
