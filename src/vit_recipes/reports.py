@@ -105,16 +105,13 @@ def _shorten(name: str, limit: int = 24) -> str:
 def per_class_multi_label(logits: np.ndarray, targets: np.ndarray, label_names: list[str], threshold: float) -> list:
     """One row per class: AP (scikit-learn's average_precision_score; None without a positive), and precision, recall
     and F1 of `sigmoid >= threshold` (0 where undefined: scikit-learn's zero_division=0)."""
+    from .metric.classification.classification import average_precision  # the metric's own, not a second copy
+
     truth, predicted = targets > 0.5, logits >= np.log(threshold / (1 - threshold))
-    order = np.argsort(-logits, axis=0, kind="stable")
-    ranked, hits = np.take_along_axis(logits, order, 0), np.take_along_axis(truth, order, 0)
-    rank = np.arange(1, len(logits) + 1)[:, None]
-    last = np.append(ranked[:-1] != ranked[1:], [[True] * ranked.shape[1]], axis=0)  # the last row of each tie
-    group_end = np.minimum.accumulate(np.where(last, rank - 1, len(rank) - 1)[::-1], axis=0)[::-1]
-    found = (hits * np.take_along_axis(hits.cumsum(0) / rank, group_end, 0)).sum(0)  # precision where recall grows
     tp, support, flagged = (predicted & truth).sum(0), truth.sum(0), predicted.sum(0)
     ratio = lambda a, b: np.divide(a, b, out=np.zeros(len(b)), where=b > 0)  # noqa: E731
-    scores = zip(ratio(found, support), ratio(tp, flagged), ratio(tp, support), ratio(2 * tp, support + flagged))
+    ap = np.nan_to_num(average_precision(logits, truth))  # NaN without a positive: that row's AP becomes None below
+    scores = zip(ap, ratio(tp, flagged), ratio(tp, support), ratio(2 * tp, support + flagged))
     return [
         {"class_id": i, "label": name, "support": int(n)}
         | dict(zip(MULTI_LABEL_FIELDS[3:], map(float, row)))
