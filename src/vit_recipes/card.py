@@ -292,7 +292,7 @@ def _limitations(splits, dataset: str, evaluated: str | None) -> list[str]:
     split = getattr(splits, evaluated, None) if evaluated else None
     scope = f"evaluated on its {evaluated} split ({len(split):,} images)" if split else "not evaluated"
     lines = [f"Trained on {trained} and {scope}: how it does on images from other sources is not measured."]
-    if getattr(splits, "multi_label", False):
+    if splits.multi_label:
         lines.append(
             f"It scores each of the {count} labels on its own; a label counts as present above the threshold."
         )
