@@ -275,10 +275,17 @@ class RecipeTrainingArguments(TrainingArguments):
     )
     fp8: bool = _arg(
         False,
-        "Run the transformer's linear layers in FP8 (torchao float8, per-tensor scales; needs torchao and a GPU with "
-        "FP8 tensor cores: H100, H200, L40S). Weights, optimizer and saved model stay as they are; the head and LoRA "
-        "adapters stay in bf16. One GPU or DDP. Emulated (no speed-up) on the CPU. Saves memory; slower for ViT-B/H, "
-        "whose layers are too narrow (docs/benchmarks.md).",
+        "Train the transformer's matmuls in FP8 (a GPU with FP8 tensor cores: H100, H200, L40S; one GPU or DDP). "
+        "Weights, optimizer and saved model stay as they are; the head stays in bf16. --fp8_backend picks the kernels.",
+    )
+    fp8_backend: str = field(
+        default="torchao",
+        metadata={
+            "help": "torchao: float8 linear layers, LoRA's base layers too, emulated on the CPU (pip install torchao). "
+            "transformer_engine: NVIDIA Transformer Engine, LayerNorm fused into each FP8 matmul, eager, ViT models, "
+            "CUDA only (pip install transformer-engine[pytorch]). docs/benchmarks.md says where each is faster.",
+            "choices": ["torchao", "transformer_engine"],
+        },
     )
     report_to: None | str | list[str] = _arg(
         "tensorboard",

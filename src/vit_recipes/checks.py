@@ -67,7 +67,7 @@ def check_plan(plan, args) -> None:
     if strategy.offload_optimizer or strategy.offload_params:
         check_host_memory(strategy, args.model)
     if getattr(t, "fp8", False):
-        check_fp8(cpu)
+        check_fp8(cpu, t)
     check_resume(strategy, plan.resume_from)  # before the output dir's refusal: it says more about ZeRO shards
     if plan.output.refusal:
         raise RecipeError(plan.output.refusal)
@@ -202,17 +202,31 @@ def check_host_memory(strategy, model_args) -> None:
         )
 
 
-def torchao_installed() -> bool:
+def installed(package: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("torchao") is not None
+    return importlib.util.find_spec(package) is not None
 
 
-def check_fp8(on_cpu: bool) -> None:
-    """--fp8 needs torchao, and on a GPU FP8 tensor cores (the strategy table refuses sharded strategies)."""
+def check_fp8(on_cpu: bool, t) -> None:
+    """--fp8 needs its backend installed and FP8 tensor cores (the strategy table refuses sharded strategies)."""
     import torch
 
-    if not torchao_installed():
+    if t.fp8_backend == "transformer_engine":
+        if on_cpu:
+            raise RecipeError(
+                "--fp8_backend transformer_engine needs a CUDA GPU: on the CPU use --fp8_backend torchao"
+            )
+        if not installed("transformer_engine"):
+            raise RecipeError("--fp8_backend transformer_engine needs pip install 'transformer-engine[pytorch]'")
+        # Recomputation would run TE's FP8 modules twice a step (their scaling history too); TE's kernels run eagerly.
+        refused = ["--gradient_checkpointing"] * bool(t.gradient_checkpointing)
+        refused += ["--torch_compile_regions true"] * bool(t.torch_compile_regions)
+        if refused:
+            raise RecipeError(
+                f"--fp8_backend transformer_engine with {refused[0]} is untested: use --fp8_backend torchao"
+            )
+    elif not installed("torchao"):
         raise RecipeError("--fp8 needs torchao: pip install 'vit-recipes[fp8]' (or pip install torchao)")
     # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer.
     if not on_cpu and torch.cuda.is_available() and (capability := torch.cuda.get_device_capability()) < (8, 9):

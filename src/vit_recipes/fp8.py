@@ -1,15 +1,21 @@
-"""FP8 matmuls for training (`--fp8`): torchao's float8 linear layers, which keep their fp32/bf16 weights (the
-optimizer and saved model do not change) and run their three matmuls in FP8 with per-tensor scales. Left in higher
-precision: the classifier head (small, closest to the loss), LoRA's adapters (rank-16 matmuls gain nothing) and
-layers with sizes not multiples of 16 (FP8 matmuls need them). On a CPU, FP8 is emulated (what the tests use).
-Off by default: ViT-B and ViT-H train slower with it, the scaling passes costing more than the faster matmuls save
-(docs/benchmarks.md); meant for wider models and for memory."""
+"""FP8 matmuls for training (`--fp8`), through one of two backends (`--fp8_backend`); either keeps the fp32/bf16
+weights, so the optimizer and the saved model do not change.
+
+- `torchao`: torchao's float8 linear layers with per-tensor scales, for any linear layer but the classifier head
+  (small, closest to the loss), LoRA's adapters (rank-16 matmuls gain nothing) and sizes not multiples of 16 (FP8
+  matmuls need them). Emulated on a CPU (what the tests use).
+- `transformer_engine`: NVIDIA Transformer Engine's FP8 kernels for each ViT layer, its LayerNorms fused into the
+  matmuls' FP8 casts (TransformerEngineViTLayer). CUDA only.
+
+Off by default; docs/benchmarks.md says where each wins or loses."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+import torch.nn.functional as F
+from transformers.models.vit.modeling_vit import ViTLayer
 
 from .errors import RecipeError
 
@@ -24,9 +30,11 @@ def _convertible(module: torch.nn.Module, name: str) -> bool:
 
 
 def convert_to_fp8(model: torch.nn.Module, training_args) -> int:
-    """Swap the model's eligible linear layers for torchao's Float8Linear in place; returns how many."""
+    """Run the model's eligible layers in FP8 with --fp8_backend, in place; returns how many were converted."""
     if not getattr(training_args, "fp8", False):
         return 0
+    if training_args.fp8_backend == "transformer_engine":
+        return convert_to_transformer_engine(model)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     emulate = not torch.cuda.is_available() or getattr(training_args, "use_cpu", False)
@@ -40,3 +48,95 @@ def convert_to_fp8(model: torch.nn.Module, training_args) -> int:
         "; emulated on the CPU (no speed-up)" if emulate else "",
     )
     return converted
+
+
+def convert_to_transformer_engine(model: torch.nn.Module) -> int:
+    """Make every ViT layer of `model` a TransformerEngineViTLayer, in place; returns how many."""
+    layers = [m for m in model.modules() if type(m) is ViTLayer]
+    if not layers:
+        raise RecipeError("--fp8_backend transformer_engine converts ViT layers, and this model has none: use torchao")
+    for layer in layers:
+        linears = (*_attention_linears(layer), layer.mlp.fc1, layer.mlp.fc2)
+        if any(type(m) is not torch.nn.Linear for m in linears):  # e.g. peft's LoRA layers
+            raise RecipeError("--fp8_backend transformer_engine does not combine with LoRA: use --fp8_backend torchao")
+        if any(m.in_features % 16 or m.out_features % 16 for m in linears):
+            raise RecipeError("--fp8 needs layer sizes that are multiples of 16: drop --fp8")
+        layer.__class__ = TransformerEngineViTLayer  # same parameters and state-dict keys, another forward
+    logger.info("--fp8: %d ViT layers train through Transformer Engine's FP8 kernels", len(layers))
+    return len(layers)
+
+
+def _attention_linears(layer: ViTLayer) -> tuple[torch.nn.Module, ...]:
+    a = layer.attention
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+
+_warned: set[str] = set()
+
+
+# Hand-written: accelerate's TE conversion (convert_model) gives each nn.Linear a te.Linear with new parameters and
+# extra state-dict entries, without the LayerNorm fusion; te.TransformerLayer keeps a fused QKV weight under other
+# names. Neither leaves a transformers ViT's parameters and checkpoints as they are.
+class TransformerEngineViTLayer(ViTLayer):
+    """A ViT layer whose training forward runs Transformer Engine's FP8 matmuls (attention: PyTorch's SDPA), and
+    whose evaluation runs transformers' own forward. Its TE modules compute with the layer's parameters, bound at
+    every step and never copied: the weights, state-dict keys, optimizer state and saved model are the plain ViT's.
+    TE's FP8 scaling history is not saved: a resumed run starts it afresh."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+        batch, tokens, width = hidden_states.shape
+        if not self.training or attention_mask is not None or (batch * tokens) % 16:
+            if self.training and (batch * tokens) % 16 and "shape" not in _warned:
+                _warned.add("shape")  # e.g. an odd last batch, or kept patches under --patch_dropout
+                logger.warning("--fp8: %d x %d tokens is not a multiple of 16: such steps run in bf16", batch, tokens)
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        te, qkv, out, fc1, fc2 = self._transformer_engine(hidden_states.device)
+        attention = self.attention
+        with te.autocast(enabled=True):  # TE's default recipe for this GPU: delayed scaling on Hopper
+            q, k, v = (
+                qkv(hidden_states).view(batch, tokens, 3, attention.num_attention_heads, -1).transpose(1, 3).unbind(2)
+            )
+            context = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=attention.attention_dropout, scale=attention.scaling
+            )
+            hidden_states = hidden_states + self.dropout(out(context.transpose(1, 2).reshape(batch, tokens, width)))
+            mlp = fc2(self.mlp.activation_fn(fc1(hidden_states)))  # exact GELU (TE's fused MLP has the tanh form)
+        return hidden_states + self.dropout(mlp)
+
+    def _transformer_engine(self, device: torch.device) -> tuple:
+        """TE's module, the fused LayerNorm+QKV, attention output, fused LayerNorm+fc1 and fc2, on the layer's
+        current parameters (built on first use; kept out of the module tree, so out of the state dict)."""
+        if "_te" not in self.__dict__:
+            import transformer_engine.pytorch as te
+
+            width, hidden = self.mlp.fc1.in_features, self.mlp.fc1.out_features
+            qkv_bias = self.attention.q_proj.bias is not None
+            self.__dict__["_te"] = (
+                te,
+                te.LayerNormLinear(
+                    width,
+                    3 * width,
+                    eps=self.layernorm_before.eps,
+                    bias=qkv_bias,
+                    parameters_split=("query", "key", "value"),
+                    device=device,
+                ),
+                te.Linear(width, width, device=device),
+                te.LayerNormLinear(width, hidden, eps=self.layernorm_after.eps, device=device),
+                te.Linear(hidden, width, device=device),
+            )
+        te, qkv, out, fc1, fc2 = self.__dict__["_te"]
+        q, k, v, o = _attention_linears(self)
+        for module, norm, linears in (
+            (qkv, self.layernorm_before, {"query_": q, "key_": k, "value_": v}),
+            (out, None, {"": o}),
+            (fc1, self.layernorm_after, {"": self.mlp.fc1}),
+            (fc2, None, {"": self.mlp.fc2}),
+        ):
+            params = {
+                f"{prefix}{kind}": getattr(m, kind) for prefix, m in linears.items() for kind in ("weight", "bias")
+            }
+            if norm is not None:
+                params.update(layer_norm_weight=norm.weight, layer_norm_bias=norm.bias)
+            module._parameters.update({name: p for name, p in params.items() if p is not None})
+        return te, qkv, out, fc1, fc2

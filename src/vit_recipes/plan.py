@@ -245,7 +245,9 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
     if strategy.deepspeed:
         bind_deepspeed_comm()
     auto = t.torch_compile_regions is None and t.do_train and plan.device == "cuda"
-    if auto and strategy.spec.supports("torch_compile_regions"):  # the fast default, where it trains correctly
+    if auto and t.fp8 and t.fp8_backend == "transformer_engine":
+        logger.info("Regional compilation off: Transformer Engine's FP8 layers run eagerly")
+    elif auto and strategy.spec.supports("torch_compile_regions"):  # the fast default, where it trains correctly
         compile_regions(t)
         logger.info("Regional compilation on (the GPU default; --torch_compile_regions false trains eagerly)")
     if t.torch_compile:
