@@ -55,6 +55,14 @@ CPU_PRESET = compile_parity.Preset(
 )  # fmt: skip
 
 
+def vit_config(overrides: str, **extra):
+    """A ViTConfig from the script's --config_overrides string, with SDPA attention (what the script's models use)."""
+    from transformers import ViTConfig
+
+    sizes = {key: int(value) for key, value in (item.split("=") for item in overrides.split(","))}
+    return ViTConfig(**sizes, **extra, attn_implementation="sdpa")
+
+
 def time_ms(step, iterations: int = 20) -> float:
     import torch
 
@@ -73,7 +81,6 @@ def layer_timings() -> list[dict]:
     import copy
 
     import torch
-    from transformers import ViTConfig
     from transformers.models.vit.modeling_vit import ViTLayer
 
     from vit_recipes.fp8 import TransformerEngineViTLayer
@@ -81,7 +88,7 @@ def layer_timings() -> list[dict]:
     rows = []
     for name, overrides, batch, tokens in (("ViT-B", VIT_B, 512, 197), ("ViT-H", VIT_H, 64, 257),
                                            ("ViT-H", VIT_H, 128, 257)):  # fmt: skip
-        config = ViTConfig(**{k: int(v) for k, v in (kv.split("=") for kv in overrides.split(","))})
+        config = vit_config(overrides)
         hf = ViTLayer(config).cuda().train()
         te = copy.deepcopy(hf)
         te.__class__ = TransformerEngineViTLayer
@@ -113,12 +120,12 @@ def fp8_numerics() -> dict:
     import copy
 
     import torch
-    from transformers import ViTConfig, ViTForImageClassification
+    from transformers import ViTForImageClassification
 
     from vit_recipes.fp8 import convert_to_transformer_engine
 
     torch.manual_seed(0)
-    config = ViTConfig(num_labels=10, **{k: int(v) for k, v in (kv.split("=") for kv in VIT_B.split(","))})
+    config = vit_config(VIT_B, num_labels=10)
     reference = ViTForImageClassification(config).cuda().train()
     model = copy.deepcopy(reference)
     convert_to_transformer_engine(model)
@@ -140,9 +147,11 @@ def fp8_numerics() -> dict:
     }
 
 
-def runs(part: str, preset: compile_parity.Preset, modes: list[str], work: Path, data: Path, cuda: bool) -> list[dict]:
+def runs(
+    part: str, preset: compile_parity.Preset, modes: list[str], work: Path, data: Path, cuda: bool, out: list, save
+) -> None:
+    """Train each batch size of `part` once per mode, appending each run to `out` and saving after each."""
     model, shapes = PARTS[part] if cuda else (preset.model, [(preset.batch, preset.steps)])
-    out = []
     for batch, steps in shapes:
         for mode in modes:
             run_preset = replace(preset, model=model, batch=batch, steps=steps)
@@ -156,8 +165,8 @@ def runs(part: str, preset: compile_parity.Preset, modes: list[str], work: Path,
                 run = {"mode": mode, "error": str(err)[-1500:]}
             run.update(part=part, batch=batch, steps=steps)
             out.append(run)
+            save()
             print(f"{label}: {run.get('train_images_per_second', run.get('error'))}", flush=True)
-    return out
 
 
 def markdown(record: dict) -> str:
@@ -235,6 +244,10 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     record_file = out / "te_fp8.json"
     record = json.loads(record_file.read_text()) if record_file.is_file() else {"calls": [], "runs": []}
+
+    def save():
+        record_file.write_text(json.dumps(record, indent=2) + "\n")
+
     if not args.replot:
         preset = GPU_PRESET if args.preset == "gpu" else CPU_PRESET
         cuda = not transfer.device_description().startswith("CPU")
@@ -247,7 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "layers" in args.parts:
             record["numerics"] = fp8_numerics()
             print(record["numerics"], flush=True)
+            save()
             record["layers"] = layer_timings()
+            save()
         work = out / "work"
         data = work / f"fashion-mnist-{args.preset}"
         if set(args.parts) & set(PARTS) and not (data / "data" / "train-00000-of-00001.parquet").is_file():
@@ -257,9 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
                 parser.exit(2, f"error: {err}\n")
         for part in (p for p in args.parts if p in PARTS):
             record["runs"] = [r for r in record["runs"] if r["part"] != part]
-            record["runs"] += runs(part, preset, args.modes, work, data, cuda)
-            record_file.write_text(json.dumps(record, indent=2) + "\n")  # kept after each part
-        record_file.write_text(json.dumps(record, indent=2) + "\n")
+            runs(part, preset, args.modes, work, data, cuda, record["runs"], save)  # saved after each run
+        save()
     (out / "te_fp8.md").write_text(markdown(record))
     print(markdown(record))
     try:
