@@ -52,6 +52,9 @@ def convert_to_fp8(model: torch.nn.Module, training_args) -> int:
 
 def convert_to_transformer_engine(model: torch.nn.Module) -> int:
     """Make every ViT layer of `model` a TransformerEngineViTLayer, in place; returns how many."""
+    # Imported before any CUDA op: TE loads its own cuDNN, which clashes with the one torch loads on first use.
+    import transformer_engine.pytorch  # noqa: F401
+
     layers = [m for m in model.modules() if type(m) is ViTLayer]
     if not layers:
         raise RecipeError("--fp8_backend transformer_engine converts ViT layers, and this model has none: use torchao")
