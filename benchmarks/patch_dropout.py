@@ -7,6 +7,12 @@ fine-tuned on scikit-learn's digits with `--patch_dropout RATE`, validation scor
 rate-0 run's final validation accuracy (mean over seeds) minus 0.5 point; a rate's time to it is the first epoch
 whose validation accuracy reaches it, times that run's steady training time per epoch (step time x steps: the
 compute, without the evaluations). Writes patch_dropout.json, patch_dropout.md and time_to_accuracy.png to --out.
+
+    python benchmarks/patch_dropout.py --from_scratch gpu --seeds 0 --out OUT     # ViT-B/16 size, one GPU
+
+--from_scratch trains the ViT from scratch on Fashion-MNIST instead (no base; validation every epoch): `gpu` is
+ViT-B/16 on the photos upsampled to 224 px (196 patches, where dropping patches saves compute), `cpu` a tiny ViT
+for the tests. The digits are too few (1,797) to time a ViT-B/16 fine-tuning; 55,000 photos are not.
 """
 
 from __future__ import annotations
@@ -39,6 +45,38 @@ def finetune(work: Path, size: transfer.Size, rate: float, seed: int, lr: float)
         "train_images_per_second": result.results["train_images_per_second"],
         "test_accuracy": result.results["test_accuracy"],
         "command": " ".join(result.command),
+    }
+
+
+# --from_scratch presets: (config_overrides, epochs, batch, learning rate, train / validation / test sizes, extra).
+SCRATCH = {
+    "gpu": ("image_size=224,patch_size=16,hidden_size=768,num_hidden_layers=12,num_attention_heads=12,"
+            "intermediate_size=3072", 5, 512, 5e-4, (None, 5000, 10000), ["--bf16", "true"]),
+    "cpu": (transfer.TINY_VIT, 3, 50, 3e-3, (500, 100, 100), [*transfer.CPU, "--disable_tqdm", "true"]),
+}  # fmt: skip
+
+
+def from_scratch(work: Path, data: Path, preset: str, rate: float, seed: int) -> dict:
+    """One run from scratch on Fashion-MNIST at `rate`, scored on validation every epoch (same fields as finetune)."""
+    import compile_parity  # it imports this module: imported here, when both are loaded
+
+    model, epochs, batch, lr, (train, validation, test), extra = SCRATCH[preset]
+    steps_per_epoch = (train or 55000) // batch  # training drops the short last batch where it compiles: count whole
+    settings = compile_parity.Preset(model, steps_per_epoch * epochs, batch, lr, train, validation, test,
+                                     logging_steps=steps_per_epoch, eval_batch=250, extra=extra)  # fmt: skip
+    flags = ["--eval_strategy", "steps", "--eval_steps", str(steps_per_epoch), "--patch_dropout", str(rate)]
+    run = compile_parity.train(work, data, settings, f"rate{rate:g}", flags, seed)
+    state = json.loads((work / f"rate{rate:g}-seed{seed}" / "trainer_state.json").read_text())
+    curve = [(e["step"] / steps_per_epoch, e["eval_accuracy"]) for e in state["log_history"] if "eval_accuracy" in e]
+    results = json.loads((work / f"rate{rate:g}-seed{seed}" / "all_results.json").read_text())
+    return {
+        "rate": rate,
+        "seed": seed,
+        "validation_curve": [(round(e, 3), a) for e, a in curve if e <= epochs][:epochs],
+        "epoch_seconds": results["train_step_time_s"] * steps_per_epoch,
+        "train_images_per_second": run["train_images_per_second"],
+        "test_accuracy": run["test_accuracy"],
+        "command": run["command"],
     }
 
 
@@ -88,9 +126,10 @@ def markdown(record: dict) -> str:
         "",
         f"{record['device']}, commit {record['commit']}. `{record['command']}`",
         "",
-        f"The base: {record['base']}. Fine-tuned on digits for {record['finetune_epochs']} epochs, learning rate "
-        f"{record['learning_rate']:g}, seeds {', '.join(map(str, record['seeds']))}. Target: the rate-0 final "
-        f"validation accuracy minus 0.5 point = {s['target_validation_accuracy']:.2%}.",
+        f"{record.get('setup') or 'The base: ' + record['base'] + '. Fine-tuned on digits'} for "
+        f"{record['finetune_epochs']} epochs, learning rate {record['learning_rate']:g}, seeds "
+        f"{', '.join(map(str, record['seeds']))}. Target: the rate-0 final validation accuracy minus 0.5 point = "
+        f"{s['target_validation_accuracy']:.2%}.",
         "",
         "| rate | train img/s | time to target (s) | speed-up to target | final validation | test accuracy |",
         "|---:|---:|---:|---:|---:|---:|",
@@ -107,7 +146,7 @@ def markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
-def chart(runs: list[dict], target: float, path: Path) -> None:
+def chart(runs: list[dict], target: float, path: Path, title: str = "Digits fine-tuning") -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -123,7 +162,7 @@ def chart(runs: list[dict], target: float, path: Path) -> None:
     ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.1%}")
     ax.set_xlabel("training seconds (steady step time x steps)")
     ax.set_ylabel("validation accuracy")
-    ax.set_title("Digits fine-tuning with patch dropout (one line per seed)")
+    ax.set_title(f"{title} with patch dropout (one line per seed)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -139,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--learning_rate", type=float, default=None, help="default: the size's first full rate")
     parser.add_argument("--fashion_mnist", default=transfer.FASHION_MNIST)
+    parser.add_argument("--from_scratch", choices=sorted(SCRATCH), help="train from scratch on Fashion-MNIST instead")
     args = parser.parse_args(argv)
     if 0.0 not in args.rates:
         parser.error("--rates must include 0 (the baseline the target comes from)")
@@ -148,6 +188,56 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work) if args.work else out / "work"
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    record_file = out / "patch_dropout.json"
+
+    def write(runs: list[dict], setup: str | None, base: str | None, epochs: int, quiet: bool = False) -> None:
+        """The record, its markdown and chart, from the runs so far (written after each run of --from_scratch)."""
+        rates = [rate for rate in args.rates if any(r["rate"] == rate for r in runs)]
+        summary = summarise(runs, rates)
+        record = {
+            "command": "python benchmarks/patch_dropout.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "commit": os.environ.get("BENCH_GIT_COMMIT") or git_commit(),  # a device's copy of the tree has no .git
+            "device": transfer.device_description(),
+            "setup": setup,
+            "base": base,
+            "finetune_epochs": epochs,
+            "learning_rate": lr,
+            "seeds": sorted({r["seed"] for r in runs}),
+            "summary": summary,
+            "runs": runs,
+        }
+        record_file.write_text(json.dumps(record, indent=2) + "\n")
+        title = "Training from scratch on Fashion-MNIST" if setup else "Digits fine-tuning"
+        try:
+            chart(runs, summary["target_validation_accuracy"], out / "time_to_accuracy.png", title)
+        except ImportError:  # a GPU machine without matplotlib: the record keeps the runs to draw it from
+            print("matplotlib missing: time_to_accuracy.png not drawn")
+        (out / "patch_dropout.md").write_text(markdown(record))
+        if not quiet:
+            print(markdown(record))
+
+    if args.from_scratch:
+        model, epochs, batch, lr, (train, validation, test), _ = SCRATCH[args.from_scratch]
+        data = work / f"fashion-mnist-{args.from_scratch}"
+        try:
+            if not (data / "data" / "train-00000-of-00001.parquet").is_file():
+                transfer.build_fashion_mnist(args.fashion_mnist, data, train, validation, test)
+        except transfer.MissingData as err:
+            parser.exit(2, f"error: {err}\n")
+        setup = (f"A ViT ({model}) trained from scratch on Fashion-MNIST ({train or 55000:,} photos, validation "
+                 f"{validation:,}), batch {batch}")  # fmt: skip
+        # Runs already in OUT's record (an earlier call, same setup) are kept, not run again.
+        earlier = json.loads(record_file.read_text()) if record_file.is_file() else {}
+        runs = earlier.get("runs", []) if earlier.get("setup") == setup else []
+        for seed in args.seeds:  # seeds outermost: a call cut short still has every rate of its first seeds
+            for rate in args.rates:
+                if any((r["rate"], r["seed"]) == (rate, seed) for r in runs):
+                    continue
+                runs.append(from_scratch(work, data, args.from_scratch, rate, seed))
+                print(f"rate {rate:g} seed {seed}: test {runs[-1]['test_accuracy']:.2%}", flush=True)
+                write(runs, setup, None, epochs, quiet=True)
+        write(runs, setup, None, epochs)
+        return
     try:
         base = transfer.pretrain(work, size, transfer.Runner(), args.fashion_mnist, reuse=True)
     except transfer.MissingData as err:
@@ -157,23 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds:
             runs.append(finetune(work, size, rate, seed, lr))
             print(f"rate {rate:g} seed {seed}: test {runs[-1]['test_accuracy']:.2%}", flush=True)
-    summary = summarise(runs, args.rates)
-    record = {
-        "command": "python benchmarks/patch_dropout.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": os.environ.get("BENCH_GIT_COMMIT") or git_commit(),  # a device's copy of the tree has no .git
-        "device": transfer.device_description(),
-        "base": f"ViT ({size.model}) pretrained on Fashion-MNIST, test accuracy "
-        f"{base.results.get('test_accuracy', math.nan):.2%}",
-        "finetune_epochs": size.finetune_epochs,
-        "learning_rate": lr,
-        "seeds": args.seeds,
-        "summary": summary,
-        "runs": runs,
-    }
-    (out / "patch_dropout.json").write_text(json.dumps(record, indent=2) + "\n")
-    chart(runs, summary["target_validation_accuracy"], out / "time_to_accuracy.png")
-    (out / "patch_dropout.md").write_text(markdown(record))
-    print(markdown(record))
+    base_text = f"ViT ({size.model}) pretrained on Fashion-MNIST, test accuracy {base.results.get('test_accuracy', math.nan):.2%}"
+    write(runs, None, base_text, size.finetune_epochs)
 
 
 if __name__ == "__main__":
