@@ -56,22 +56,24 @@ SCRATCH = {
 }  # fmt: skip
 
 
-def from_scratch(work: Path, data: Path, preset: str, rate: float, seed: int) -> dict:
+def from_scratch(work: Path, data: Path, preset: str, rate: float, seed: int, epochs: int) -> dict:
     """One run from scratch on Fashion-MNIST at `rate`, scored on validation every epoch (same fields as finetune)."""
     import compile_parity  # it imports this module: imported here, when both are loaded
 
-    model, epochs, batch, lr, (train, validation, test), extra = SCRATCH[preset]
+    model, _, batch, lr, (train, validation, test), extra = SCRATCH[preset]
     steps_per_epoch = (train or 55000) // batch  # training drops the short last batch where it compiles: count whole
     settings = compile_parity.Preset(model, steps_per_epoch * epochs, batch, lr, train, validation, test,
                                      logging_steps=steps_per_epoch, eval_batch=250, extra=extra)  # fmt: skip
     flags = ["--eval_strategy", "steps", "--eval_steps", str(steps_per_epoch), "--patch_dropout", str(rate)]
-    run = compile_parity.train(work, data, settings, f"rate{rate:g}", flags, seed)
-    state = json.loads((work / f"rate{rate:g}-seed{seed}" / "trainer_state.json").read_text())
+    name = f"rate{rate:g}-epochs{epochs}"
+    run = compile_parity.train(work, data, settings, name, flags, seed)
+    state = json.loads((work / f"{name}-seed{seed}" / "trainer_state.json").read_text())
     curve = [(e["step"] / steps_per_epoch, e["eval_accuracy"]) for e in state["log_history"] if "eval_accuracy" in e]
-    results = json.loads((work / f"rate{rate:g}-seed{seed}" / "all_results.json").read_text())
+    results = json.loads((work / f"{name}-seed{seed}" / "all_results.json").read_text())
     return {
         "rate": rate,
         "seed": seed,
+        "epochs": epochs,
         "validation_curve": [(round(e, 3), a) for e, a in curve if e <= epochs][:epochs],
         "epoch_seconds": results["train_step_time_s"] * steps_per_epoch,
         "train_images_per_second": run["train_images_per_second"],
@@ -121,13 +123,16 @@ def summarise(runs: list[dict], rates: list[float]) -> dict:
 
 def markdown(record: dict) -> str:
     s = record["summary"]
+    setup = (
+        record.get("setup")
+        or f"The base: {record['base']}. Fine-tuned on digits for {record['finetune_epochs']} epochs"
+    )
     lines = [
         "# Patch dropout: time to accuracy on real data",
         "",
         f"{record['device']}, commit {record['commit']}. `{record['command']}`",
         "",
-        f"{record.get('setup') or 'The base: ' + record['base'] + '. Fine-tuned on digits'} for "
-        f"{record['finetune_epochs']} epochs, learning rate {record['learning_rate']:g}, seeds "
+        f"{setup}, learning rate {record['learning_rate']:g}, seeds "
         f"{', '.join(map(str, record['seeds']))}. Target: the rate-0 final validation accuracy minus 0.5 point = "
         f"{s['target_validation_accuracy']:.2%}.",
         "",
@@ -179,6 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning_rate", type=float, default=None, help="default: the size's first full rate")
     parser.add_argument("--fashion_mnist", default=transfer.FASHION_MNIST)
     parser.add_argument("--from_scratch", choices=sorted(SCRATCH), help="train from scratch on Fashion-MNIST instead")
+    parser.add_argument(
+        "--equal_budget",
+        action="store_true",
+        help="--from_scratch: rate R trains EPOCHS / (1 - R) epochs, about rate 0's compute (PatchDropout's own "
+        "comparison); without it every rate trains the preset's epochs",
+    )
     args = parser.parse_args(argv)
     if 0.0 not in args.rates:
         parser.error("--rates must include 0 (the baseline the target comes from)")
@@ -224,16 +235,17 @@ def main(argv: list[str] | None = None) -> None:
                 transfer.build_fashion_mnist(args.fashion_mnist, data, train, validation, test)
         except transfer.MissingData as err:
             parser.exit(2, f"error: {err}\n")
+        plan = {rate: round(epochs / (1 - rate)) if args.equal_budget else epochs for rate in args.rates}
         setup = (f"A ViT ({model}) trained from scratch on Fashion-MNIST ({train or 55000:,} photos, validation "
-                 f"{validation:,}), batch {batch}")  # fmt: skip
-        # Runs already in OUT's record (an earlier call, same setup) are kept, not run again.
+                 f"{validation:,}), batch {batch}, epochs per rate {plan}")  # fmt: skip
+        # Runs of this plan already in OUT's record (an earlier call) are kept, not run again.
         earlier = json.loads(record_file.read_text()) if record_file.is_file() else {}
-        runs = earlier.get("runs", []) if earlier.get("setup") == setup else []
+        runs = [r for r in earlier.get("runs", []) if plan.get(r["rate"]) == r.get("epochs", epochs)]
         for seed in args.seeds:  # seeds outermost: a call cut short still has every rate of its first seeds
             for rate in args.rates:
                 if any((r["rate"], r["seed"]) == (rate, seed) for r in runs):
                     continue
-                runs.append(from_scratch(work, data, args.from_scratch, rate, seed))
+                runs.append(from_scratch(work, data, args.from_scratch, rate, seed, plan[rate]))
                 print(f"rate {rate:g} seed {seed}: test {runs[-1]['test_accuracy']:.2%}", flush=True)
                 write(runs, setup, None, epochs, quiet=True)
         write(runs, setup, None, epochs)
