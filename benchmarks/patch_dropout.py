@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             "runs": runs,
         }
         record_file.write_text(json.dumps(record, indent=2) + "\n")
-        title = "Training from scratch on Fashion-MNIST" if setup else "Digits fine-tuning"
+        title = "From scratch on Fashion-MNIST" if setup else "Digits fine-tuning"
         try:
             chart(runs, summary["target_validation_accuracy"], out / "time_to_accuracy.png", title)
         except ImportError:  # a GPU machine without matplotlib: the record keeps the runs to draw it from
