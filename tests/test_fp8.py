@@ -244,6 +244,7 @@ def test_transformer_engine_refuses_lora_and_other_models(tiny_vit, monkeypatch)
     from vit_recipes.fp8 import convert_to_fp8
     from vit_recipes.lora import apply_lora
 
+    fake_transformer_engine(monkeypatch)
     te = SimpleNamespace(fp8=True, fp8_backend="transformer_engine")
     model, _ = apply_lora(
         ViTForImageClassification.from_pretrained(tiny_vit),

@@ -1,13 +1,8 @@
-"""FP8 matmuls for training (`--fp8`), through one of two backends (`--fp8_backend`); either keeps the fp32/bf16
-weights, so the optimizer and the saved model do not change.
-
-- `torchao`: torchao's float8 linear layers with per-tensor scales, for any linear layer but the classifier head
-  (small, closest to the loss), LoRA's adapters (rank-16 matmuls gain nothing) and sizes not multiples of 16 (FP8
-  matmuls need them). Emulated on a CPU (what the tests use).
-- `transformer_engine`: NVIDIA Transformer Engine's FP8 kernels for each ViT layer, its LayerNorms fused into the
-  matmuls' FP8 casts (TransformerEngineViTLayer). CUDA only.
-
-Off by default; docs/benchmarks.md says where each wins or loses."""
+"""FP8 matmuls for training (`--fp8`; off by default, docs/benchmarks.md says where each backend wins). Both keep
+the fp32/bf16 weights: the optimizer and the saved model do not change.
+- `torchao`: float8 linear layers (per-tensor scales) for every linear layer but the head (small, closest to the loss),
+  LoRA's adapters (rank-16 matmuls gain nothing) and sizes not multiples of 16; emulated on a CPU (the tests).
+- `transformer_engine`: TransformerEngineViTLayer, Transformer Engine's FP8 kernels for each ViT layer. CUDA only."""
 
 from __future__ import annotations
 
@@ -59,7 +54,8 @@ def convert_to_transformer_engine(model: torch.nn.Module) -> int:
     if not layers:
         raise RecipeError("--fp8_backend transformer_engine converts ViT layers, and this model has none: use torchao")
     for layer in layers:
-        linears = (*_attention_linears(layer), layer.mlp.fc1, layer.mlp.fc2)
+        a, mlp = layer.attention, layer.mlp
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.fc1, mlp.fc2)
         if any(type(m) is not torch.nn.Linear for m in linears):  # e.g. peft's LoRA layers
             raise RecipeError("--fp8_backend transformer_engine does not combine with LoRA: use --fp8_backend torchao")
         if any(m.in_features % 16 or m.out_features % 16 for m in linears):
@@ -67,14 +63,6 @@ def convert_to_transformer_engine(model: torch.nn.Module) -> int:
         layer.__class__ = TransformerEngineViTLayer  # same parameters and state-dict keys, another forward
     logger.info("--fp8: %d ViT layers train through Transformer Engine's FP8 kernels", len(layers))
     return len(layers)
-
-
-def _attention_linears(layer: ViTLayer) -> tuple[torch.nn.Module, ...]:
-    a = layer.attention
-    return a.q_proj, a.k_proj, a.v_proj, a.o_proj
-
-
-_warned: set[str] = set()
 
 
 # Hand-written: accelerate's TE conversion (convert_model) gives each nn.Linear a te.Linear with new parameters and
@@ -86,22 +74,21 @@ class TransformerEngineViTLayer(ViTLayer):
     every step and never copied: the weights, state-dict keys, optimizer state and saved model are the plain ViT's.
     TE's FP8 scaling history is not saved: a resumed run starts it afresh."""
 
+    warned = False  # about a batch FP8 cannot take, once per process
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
         batch, tokens, width = hidden_states.shape
-        if not self.training or attention_mask is not None or (batch * tokens) % 16:
-            if self.training and (batch * tokens) % 16 and "shape" not in _warned:
-                _warned.add("shape")  # e.g. an odd last batch, or kept patches under --patch_dropout
-                logger.warning("--fp8: %d x %d tokens is not a multiple of 16: such steps run in bf16", batch, tokens)
+        fp8_shape = (batch * tokens) % 16 == 0  # e.g. not an odd last batch, nor some --patch_dropout token counts
+        if self.training and not fp8_shape and not TransformerEngineViTLayer.warned:
+            TransformerEngineViTLayer.warned = True
+            logger.warning("--fp8: %d x %d tokens is not a multiple of 16: such steps run in bf16", batch, tokens)
+        if not (self.training and fp8_shape) or attention_mask is not None:
             return super().forward(hidden_states, attention_mask, **kwargs)
         te, qkv, out, fc1, fc2 = self._transformer_engine(hidden_states.device)
-        attention = self.attention
+        a = self.attention
         with te.autocast(enabled=True):  # TE's default recipe for this GPU: delayed scaling on Hopper
-            q, k, v = (
-                qkv(hidden_states).view(batch, tokens, 3, attention.num_attention_heads, -1).transpose(1, 3).unbind(2)
-            )
-            context = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=attention.attention_dropout, scale=attention.scaling
-            )
+            q, k, v = qkv(hidden_states).view(batch, tokens, 3, a.num_attention_heads, -1).transpose(1, 3).unbind(2)
+            context = F.scaled_dot_product_attention(q, k, v, dropout_p=a.attention_dropout, scale=a.scaling)
             hidden_states = hidden_states + self.dropout(out(context.transpose(1, 2).reshape(batch, tokens, width)))
             mlp = fc2(self.mlp.activation_fn(fc1(hidden_states)))  # exact GELU (TE's fused MLP has the tanh form)
         return hidden_states + self.dropout(mlp)
@@ -109,36 +96,24 @@ class TransformerEngineViTLayer(ViTLayer):
     def _transformer_engine(self, device: torch.device) -> tuple:
         """TE's module, the fused LayerNorm+QKV, attention output, fused LayerNorm+fc1 and fc2, on the layer's
         current parameters (built on first use; kept out of the module tree, so out of the state dict)."""
+        a, mlp = self.attention, self.mlp
         if "_te" not in self.__dict__:
             import transformer_engine.pytorch as te
 
-            width, hidden = self.mlp.fc1.in_features, self.mlp.fc1.out_features
-            qkv_bias = self.attention.q_proj.bias is not None
-            self.__dict__["_te"] = (
-                te,
-                te.LayerNormLinear(
-                    width,
-                    3 * width,
-                    eps=self.layernorm_before.eps,
-                    bias=qkv_bias,
-                    parameters_split=("query", "key", "value"),
-                    device=device,
-                ),
-                te.Linear(width, width, device=device),
-                te.LayerNormLinear(width, hidden, eps=self.layernorm_after.eps, device=device),
-                te.Linear(hidden, width, device=device),
-            )
+            width, hidden, split = mlp.fc1.in_features, mlp.fc1.out_features, ("query", "key", "value")
+            qkv = te.LayerNormLinear(width, 3 * width, eps=self.layernorm_before.eps, bias=a.q_proj.bias is not None,
+                                     parameters_split=split, device=device)  # fmt: skip
+            fc1 = te.LayerNormLinear(width, hidden, eps=self.layernorm_after.eps, device=device)
+            out, fc2 = te.Linear(width, width, device=device), te.Linear(hidden, width, device=device)
+            self.__dict__["_te"] = (te, qkv, out, fc1, fc2)
         te, qkv, out, fc1, fc2 = self.__dict__["_te"]
-        q, k, v, o = _attention_linears(self)
         for module, norm, linears in (
-            (qkv, self.layernorm_before, {"query_": q, "key_": k, "value_": v}),
-            (out, None, {"": o}),
-            (fc1, self.layernorm_after, {"": self.mlp.fc1}),
-            (fc2, None, {"": self.mlp.fc2}),
+            (qkv, self.layernorm_before, {"query_": a.q_proj, "key_": a.k_proj, "value_": a.v_proj}),
+            (out, None, {"": a.o_proj}),
+            (fc1, self.layernorm_after, {"": mlp.fc1}),
+            (fc2, None, {"": mlp.fc2}),
         ):
-            params = {
-                f"{prefix}{kind}": getattr(m, kind) for prefix, m in linears.items() for kind in ("weight", "bias")
-            }
+            params = {f"{name}{kind}": getattr(m, kind) for name, m in linears.items() for kind in ("weight", "bias")}
             if norm is not None:
                 params.update(layer_norm_weight=norm.weight, layer_norm_bias=norm.bias)
             module._parameters.update({name: p for name, p in params.items() if p is not None})
