@@ -128,6 +128,22 @@ def test_fp8_refusals(monkeypatch, tmp_path):
             RecipeError, match=f"transformer_engine with {refused}.* is untested: use --fp8_backend torchao"
         ):
             checks.check_fp8(False, te(**{flag: True}))
+    with pytest.raises(RecipeError, match="transformer_engine with --use_peft is untested: use --fp8_backend torchao"):
+        checks.check_fp8(False, te(), lora=True)
+
+
+def test_fp8_backend_needs_fp8_and_a_known_name(tmp_path):
+    from vit_recipes.arguments import parse_args
+
+    base = ["--dataset_name", "data", "--output_dir", str(tmp_path), "--report_to", "none"]
+    with pytest.raises(
+        RecipeError, match="^--fp8_backend transformer_engine: use torchao or transformer_engine, with"
+    ):
+        parse_args([*base, "--fp8_backend", "transformer_engine"])  # without --fp8 true it would do nothing
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("fp8: true\nfp8_backend: te\n")  # a recipe file does not go through argparse's choices
+    with pytest.raises(RecipeError, match="^--fp8_backend te: use torchao or transformer_engine, with --fp8 true"):
+        parse_args([*base, "--config", str(recipe)])
 
 
 def test_transformer_engine_is_refused_on_the_cpu(tmp_path):

@@ -472,6 +472,8 @@ def validate_arguments(args: RunArguments) -> None:
         raise RecipeError("mixup_alpha and cutmix_alpha must be >= 0")
     if not 0 < aug.eval_crop_pct <= 1:
         raise RecipeError(f"eval_crop_pct must be in (0, 1], got {aug.eval_crop_pct}")
+    if train.fp8_backend != "torchao" and not (train.fp8 and train.fp8_backend == "transformer_engine"):
+        raise RecipeError(f"--fp8_backend {train.fp8_backend}: use torchao or transformer_engine, with --fp8 true")
     if data.problem_type not in (None, "single_label_classification", "multi_label_classification"):
         raise RecipeError(
             f"problem_type must be single_label_classification or multi_label_classification, got {data.problem_type!r}"

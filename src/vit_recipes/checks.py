@@ -67,7 +67,7 @@ def check_plan(plan, args) -> None:
     if strategy.offload_optimizer or strategy.offload_params:
         check_host_memory(strategy, args.model)
     if getattr(t, "fp8", False):
-        check_fp8(cpu, t)
+        check_fp8(cpu, t, args.lora.use_peft)
     check_resume(strategy, plan.resume_from)  # before the output dir's refusal: it says more about ZeRO shards
     if plan.output.refusal:
         raise RecipeError(plan.output.refusal)
@@ -208,7 +208,7 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def check_fp8(on_cpu: bool, t) -> None:
+def check_fp8(on_cpu: bool, t, lora: bool = False) -> None:
     """--fp8 needs its backend installed and FP8 tensor cores (the strategy table refuses sharded strategies)."""
     import torch
 
@@ -219,8 +219,9 @@ def check_fp8(on_cpu: bool, t) -> None:
             )
         if not installed("transformer_engine"):
             raise RecipeError("--fp8_backend transformer_engine needs pip install 'transformer-engine[pytorch]'")
-        # Recomputation would run TE's FP8 modules twice a step (their scaling history too); TE's kernels run eagerly.
-        refused = ["--gradient_checkpointing"] * bool(t.gradient_checkpointing)
+        # Recomputation would run TE's FP8 modules twice a step (their scaling history too); TE's kernels run eagerly;
+        # peft wraps the linear layers the TE layer computes with.
+        refused = ["--gradient_checkpointing"] * bool(t.gradient_checkpointing) + ["--use_peft"] * lora
         refused += ["--torch_compile_regions true"] * bool(t.torch_compile_regions)
         if refused:
             raise RecipeError(
