@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, logged_losses, run_args
@@ -763,3 +764,39 @@ def test_compile_parity_runs_both_modes_per_seed_on_real_fashion_mnist(tmp_path,
     assert "| eager | 2 |" in table and "**Verdict:" in table and "2 x the larger" in table
     png = (tmp_path / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+
+def test_patch_dropout_from_scratch_equal_budget_and_continuation(tmp_path, capsys):
+    """--from_scratch on real Fashion-MNIST (CPU preset, ~30 s): rate R trains EPOCHS/(1-R) epochs under
+    --equal_budget, and a second call keeps the runs already recorded and adds only the missing ones."""
+    sys.path.insert(0, str(BENCH))
+    patch_dropout = load_module("patch_dropout")
+    if not (Path(patch_dropout.transfer.FASHION_MNIST) / "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"Fashion-MNIST not found in {patch_dropout.transfer.FASHION_MNIST}")
+    out = ["--from_scratch", "cpu", "--equal_budget", "--seeds", "0", "--out", str(tmp_path)]
+    patch_dropout.main([*out, "--rates", "0", "0.5"])
+    first = json.loads((tmp_path / "patch_dropout.json").read_text())
+    assert {(r["rate"], r["epochs"], len(r["validation_curve"])) for r in first["runs"]} == {(0.0, 3, 3), (0.5, 6, 6)}
+    patch_dropout.main([*out, "--rates", "0", "0.25", "0.5"])
+    second = json.loads((tmp_path / "patch_dropout.json").read_text())
+    assert second["runs"][:2] == first["runs"]  # kept, not run again
+    assert [(r["rate"], r["epochs"]) for r in second["runs"][2:]] == [(0.25, 4)]
+    assert set(second["summary"]["rates"]) == {"0", "0.25", "0.5"} and "epochs per rate" in second["setup"]
+    assert (tmp_path / "time_to_accuracy.png").is_file() and "From scratch" not in capsys.readouterr().err
+
+
+def test_te_fp8_benchmark_records_runs_and_redraws(tmp_path):
+    """benchmarks/te_fp8.py's run part on the CPU (eager mode only: Transformer Engine needs CUDA), then --replot."""
+    sys.path.insert(0, str(BENCH))
+    te_fp8 = load_module("te_fp8")
+    if not (Path(te_fp8.transfer.FASHION_MNIST) / "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"Fashion-MNIST not found in {te_fp8.transfer.FASHION_MNIST}")
+    record = te_fp8.main(["--out", str(tmp_path), "--parts", "vit-b", "--preset", "cpu", "--modes", "eager"])
+    (run,) = record["runs"]
+    assert (run["part"], run["mode"], run["steps"]) == ("vit-b", "eager", 20) and not run["compiled"]
+    assert [step for step, _ in run["loss"]] == [5, 10, 15, 20] and run["train_images_per_second"] > 0
+    assert json.loads((tmp_path / "te_fp8.json").read_text())["runs"] == json.loads(json.dumps(record["runs"]))
+    (tmp_path / "te_fp8.md").unlink()
+    te_fp8.main(["--out", str(tmp_path), "--replot"])
+    assert "| vit-b | 32 | 20 | eager | no |" in (tmp_path / "te_fp8.md").read_text()
+    assert (tmp_path / "loss_curves.png").is_file()
