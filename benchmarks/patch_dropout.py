@@ -56,11 +56,11 @@ SCRATCH = {
 }  # fmt: skip
 
 
-def from_scratch(work: Path, data: Path, preset: str, rate: float, seed: int, epochs: int) -> dict:
+def from_scratch(work: Path, data: Path, preset: str, rate: float, seed: int, epochs: int, lr: float) -> dict:
     """One run from scratch on Fashion-MNIST at `rate`, scored on validation every epoch (same fields as finetune)."""
     import compile_parity  # it imports this module: imported here, when both are loaded
 
-    model, _, batch, lr, (train, validation, test), extra = SCRATCH[preset]
+    model, _, batch, _, (train, validation, test), extra = SCRATCH[preset]
     steps_per_epoch = (train or 55000) // batch  # training drops the short last batch where it compiles: count whole
     settings = compile_parity.Preset(model, steps_per_epoch * epochs, batch, lr, train, validation, test,
                                      logging_steps=steps_per_epoch, eval_batch=250, extra=extra)  # fmt: skip
@@ -181,14 +181,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=sorted(transfer.SIZES), default="small")
     parser.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.25, 0.5])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--learning_rate", type=float, default=None, help="default: the size's first full rate")
+    parser.add_argument("--learning_rate", type=float, default=None, help="default: the size's (or preset's) rate")
     parser.add_argument("--fashion_mnist", default=transfer.FASHION_MNIST)
     parser.add_argument("--from_scratch", choices=sorted(SCRATCH), help="train from scratch on Fashion-MNIST instead")
     parser.add_argument(
         "--equal_budget",
         action="store_true",
-        help="--from_scratch: rate R trains EPOCHS / (1 - R) epochs, about rate 0's compute (PatchDropout's own "
-        "comparison); without it every rate trains the preset's epochs",
+        help="--from_scratch: rate R trains EPOCHS / (1 - R) epochs, the patch tokens (compute) of rate 0's EPOCHS "
+        "(PatchDropout's own comparison); without it every rate trains the preset's epochs",
     )
     args = parser.parse_args(argv)
     if 0.0 not in args.rates:
@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
             print(markdown(record))
 
     if args.from_scratch:
-        model, epochs, batch, lr, (train, validation, test), _ = SCRATCH[args.from_scratch]
+        model, epochs, batch, preset_lr, (train, validation, test), _ = SCRATCH[args.from_scratch]
+        lr = args.learning_rate or preset_lr
         data = work / f"fashion-mnist-{args.from_scratch}"
         try:
             if not (data / "data" / "train-00000-of-00001.parquet").is_file():
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             for rate in args.rates:
                 if any((r["rate"], r["seed"]) == (rate, seed) for r in runs):
                     continue
-                runs.append(from_scratch(work, data, args.from_scratch, rate, seed, plan[rate]))
+                runs.append(from_scratch(work, data, args.from_scratch, rate, seed, plan[rate], lr))
                 print(f"rate {rate:g} seed {seed}: test {runs[-1]['test_accuracy']:.2%}", flush=True)
                 write(runs, setup, None, epochs, quiet=True)
         write(runs, setup, None, epochs)
