@@ -81,7 +81,7 @@ class TransformerEngineViTLayer(ViTLayer):
         fp8_shape = (batch * tokens) % 16 == 0  # e.g. not an odd last batch, nor some --patch_dropout token counts
         if self.training and not fp8_shape and not TransformerEngineViTLayer.warned:
             TransformerEngineViTLayer.warned = True
-            logger.warning("--fp8: %d x %d tokens is not a multiple of 16: such steps run in bf16", batch, tokens)
+            logger.warning("--fp8: %d x %d tokens is not a multiple of 16: such steps run without FP8", batch, tokens)
         if not (self.training and fp8_shape) or attention_mask is not None:
             return super().forward(hidden_states, attention_mask, **kwargs)
         te, qkv, out, fc1, fc2 = self._transformer_engine(hidden_states.device)
