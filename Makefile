@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 DEMO_DIR ?= data/digits
 DEMO_OUT ?= outputs/digits-vit
 
-.PHONY: install demo test style quality clean
+.PHONY: install demo test test-gpu style quality clean
 
 # What a run needs, and scikit-learn for the demo's data.
 .installed: setup.cfg pyproject.toml
@@ -32,6 +32,12 @@ demo: .installed
 
 test: .installed-test
 	$(PYTHON) -m pytest tests -q
+
+# The GPU acceptance suite (docs/development.md): every strategy, checkpoint path and one-GPU feature on this
+# machine's GPUs, written to benchmarks/results/<date>_acceptance_<gpus>x<card>/. PARTS=strategies,kill picks parts.
+test-gpu:
+	$(PYTHON) -c "import deepspeed, datasets, evaluate, vit_recipes" 2>/dev/null || $(PIP) install -e ".[deepspeed]"
+	$(PYTHON) benchmarks/acceptance.py $(if $(PARTS),--parts $(PARTS)) $(if $(RECORD),--record $(RECORD))
 
 style: .installed-test
 	ruff format .

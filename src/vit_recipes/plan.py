@@ -186,7 +186,9 @@ def build_plan(args: RunArguments) -> RunPlan:
     strategy = read_strategy(t)
     global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * strategy.world_size
     # What makes a checkpoint this run's: a checkpoint written under other settings is refused on auto-resume.
-    identity = {**run_config(args), "strategy": strategy.name, "global_batch": global_batch, "recipe": args.recipe}
+    # One process and DDP write the same checkpoints (whole model and optimizer), so either resumes the other.
+    kind = "ddp or single" if strategy.name in ("ddp", "single") else strategy.name
+    identity = {**run_config(args), "strategy": kind, "global_batch": global_batch, "recipe": args.recipe}
     plan = RunPlan(strategy, precision_of(t), device_kind(t), global_batch, resolve_output_dir(t, identity), identity)
     check_plan(plan, args)
     spec, resumed = strategy.spec, f" from {plan.resume_from}" if plan.resume_from else ""

@@ -124,7 +124,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
                 f"--resume_from_checkpoint {complete}, or start fresh with --overwrite_output_dir (which removes "
                 "the old run's checkpoints)",
             )
-        logger.info("Resuming the run found in %s from %s", out, complete)
+        logger.warning("Resuming the run found in %s from %s", out, complete)
         return OutputState("resume", candidate)
     if (out / "all_results.json").is_file():
         return OutputState(

@@ -1,0 +1,730 @@
+"""The GPU acceptance suite: what "done" means for any change to training, strategies, checkpoints, data or speed.
+
+    make test-gpu                                          # every part on every visible GPU
+    python benchmarks/acceptance.py --parts strategies,kill,resume     # some parts (two calls fit a 10-minute limit)
+    python benchmarks/acceptance.py --parts single,vith --record DIR   # ...merged into the same record
+
+Runs the script as a user types it, through both launchers and every shipped strategy, on local stand-ins for the
+Hub (CIFAR-100-shaped PNGs, randomly initialised ViT-B/16 and ViT-H/14), then checks what each run wrote:
+
+- strategies: DDP, ZeRO-1/2/3, ZeRO++, FSDP2 and FSDP2 + offload, 30 steps at one seed and global batch: the loss at
+  step 30 within LOSS_TOLERANCE of DDP's, the rank reports (world size, wrapper, ZeRO stage, what is sharded), and the
+  saved model reloaded with pipeline() scoring within SCORE_TOLERANCE of the run's own test accuracy. ZeRO-2 runs as
+  the README types it (`deepspeed run_image_classification.py --deepspeed ds_configs/zero2.json --config ...`);
+- kill: DDP, ZeRO-2, ZeRO-3, FSDP2 killed with SIGKILL (the launcher's whole process group) once checkpoint-10 is
+  complete, then the same command again: it resumes and ends on the uninterrupted run's weights (WEIGHT_TOLERANCE);
+- resume: DDP, ZeRO-1, ZeRO-2, FSDP2 checkpoints resumed on another GPU count (all -> 1 and 1 -> all, global batch
+  kept): steps 11-30 within LOSS_TOLERANCE of the uninterrupted run's; ZeRO-3 on another count: its one-line refusal;
+- single (one GPU): the default command (regional compilation), --patch_dropout 0.5, LoRA (saved, merged, reloaded),
+  multi-label, --class_weights balanced, predict-only from a trained folder, TE FP8 (where transformer_engine imports);
+- vith: the README's `accelerate launch --config_file accelerate_configs/zero3.yaml` command with the ViT-H recipe on
+  every GPU, and the same command without --num_processes (on fewer than 8 GPUs: the one-line refusal).
+
+Jobs run concurrently, up to --per_gpu processes on each GPU (a ViT-B run at these batches uses a few GiB), so the
+start-up of one overlaps another's steps. One-GPU jobs share the GPUs. Writes `<record>/acceptance.md` (one
+PASS/FAIL/SKIP line per check with the command that produced it, the commit, the library versions) and
+`acceptance.json`; a record already in that folder keeps the parts not run now. Logs and outputs stay in --work.
+`--cpu` runs the same plan on CPU processes with a tiny ViT (no FSDP, no GPU checks): a check of the suite itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from vit_recipes.strategies import BY_NAME  # noqa: E402
+
+PARTS = ("strategies", "kill", "resume", "single", "vith")
+STEPS, SAVE_EVERY, GLOBAL_BATCH = 30, 10, 64
+# bf16 autocast over 30 steps: other reduction orders (sharding, another process count) move the per-step loss by
+# up to ~1% here; a wrong resume, a missed gradient or a lost optimizer state moves it by far more (tens of %).
+LOSS_TOLERANCE = 0.03  # relative
+SCORE_TOLERANCE = 0.005  # test accuracy, pipeline() vs the run's own evaluation (0.5 points)
+WEIGHT_TOLERANCE = 2e-2  # max |w_resumed - w_uninterrupted|; bf16 SDPA backward kernels are not bitwise deterministic
+RECIPE_B, RECIPE_H = "recipes/vit-base/cifar100/config_full.yaml", "recipes/vit-huge/cifar100/config_full.yaml"
+# The strategy runs: name -> (launcher, shipped config, rank report expectations)
+STRATEGY_RUNS = {
+    "ddp": ("accelerate", "DistributedDataParallel"),
+    "zero1": ("deepspeed", "DeepSpeedEngine"),
+    "zero2": ("deepspeed", ""),  # the README's command: the script itself, no rank report
+    "zero3": ("accelerate", "DeepSpeedEngine"),
+    "zeropp": ("accelerate", "DeepSpeedEngine"),
+    "fsdp2": ("accelerate", "FSDP"),
+    "fsdp2_offload": ("accelerate", "FSDP"),
+}
+KILLED = ("ddp", "zero2", "zero3", "fsdp2")
+CROSS_COUNT = ("ddp", "zero1", "zero2", "fsdp2")
+
+
+@dataclass
+class Job:
+    """One process tree to launch: a run of the script, a score of its model, or an asset to build."""
+
+    name: str
+    part: str
+    argv: list[str]
+    gpus: int = 0  # 0: CPU only; 1: one GPU (shared); n: all n GPUs
+    needs: tuple[str, ...] = ()
+    output: Path | None = None  # the run's --output_dir
+    seed_from: Path | None = None  # copy this checkpoint (and its run's run_config.json) into output first
+    kill_when: Path | None = None  # SIGKILL the process group once this file exists
+    timeout: int = 420
+    result: dict = field(default_factory=dict)
+
+
+class Suite:
+    def __init__(self, args, gpus: int):
+        self.args, self.gpus, self.cpu = args, gpus, args.cpu
+        self.work, self.assets = Path(args.work), Path(args.work) / "assets"
+        self.procs = gpus  # processes of a multi-process run: every GPU (CPU: 2)
+        self.jobs: dict[str, Job] = {}
+        self.python = sys.executable
+        self.t0 = time.time()
+
+    # ---------------------------------------------------------------------------------------------- commands
+    def accelerate(self, config: str, processes: int, script: str) -> list[str]:
+        cli = shutil.which("accelerate")
+        base = [cli] if cli else [self.python, "-m", "accelerate.commands.accelerate_cli"]
+        return [*base, "launch", "--main_process_port", "{port}", "--config_file", config, "--num_processes",
+                str(processes), script]  # fmt: skip
+
+    def deepspeed(self, config: str, processes: int, script: str) -> list[str]:
+        cli = shutil.which("deepspeed")
+        base = [cli] if cli else [self.python, "-m", "deepspeed.launcher.runner"]
+        # As the README types it on a machine whose GPUs are all used; --num_gpus otherwise (CPU, or 1 of several).
+        count = [] if (processes == self.gpus and not self.cpu) else ["--num_gpus", str(processes)]
+        return [*base, "--master_port", "{port}", *count, script, "--deepspeed", config]
+
+    def launch(self, strategy: str, processes: int, script: str) -> list[str]:
+        spec = BY_NAME[strategy]
+        launcher = STRATEGY_RUNS.get(strategy, ("accelerate", ""))[0]
+        if launcher == "deepspeed":
+            return self.deepspeed(spec.deepspeed_config, processes, script)
+        config = spec.accelerate_config
+        if strategy == "zeropp":  # hpZ's secondary partition spans one node's GPUs: this machine's, not the shipped 8
+            config = str(self.zeropp_config(processes))
+        return self.accelerate(config, processes, script)
+
+    def zeropp_config(self, processes: int) -> Path:
+        import yaml
+
+        ds = json.loads((ROOT / BY_NAME["zeropp"].deepspeed_config).read_text())
+        ds["zero_optimization"]["zero_hpz_partition_size"] = processes
+        (self.work / "zeropp.json").write_text(json.dumps(ds, indent=2))
+        acc = yaml.safe_load((ROOT / BY_NAME["zeropp"].accelerate_config).read_text())
+        acc["deepspeed_config"]["deepspeed_config_file"] = str(self.work / "zeropp.json")
+        path = self.work / f"zeropp_{processes}.yaml"
+        path.write_text(yaml.safe_dump(acc))
+        return path
+
+    def run_args(self, out: Path, processes: int, model: str = "vit-base-100", recipe: str = RECIPE_B) -> list[str]:
+        """The recipe as a user types it, on the local stand-ins, shortened to STEPS steps with a checkpoint every
+        SAVE_EVERY; a constant learning rate (the recipe warms up over 500 steps) and no random crop or flip, so that
+        runs on different process counts see the same pixels and their losses compare."""
+        args = [
+            "--config", recipe, "--dataset_name", str(self.assets / "cifar100"),
+            "--model_name_or_path", str(self.assets / model), "--output_dir", str(out),
+            "--max_steps", str(STEPS), "--per_device_train_batch_size", str(GLOBAL_BATCH // processes),
+            "--per_device_eval_batch_size", "128", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
+            "--crop_scale_min", "1", "--hflip_prob", "0", "--logging_steps", "1", "--eval_strategy", "no",
+            "--save_strategy", "steps", "--save_steps", str(SAVE_EVERY), "--save_total_limit", "3",
+            "--report_to", "none", "--plots", "false", "--dataloader_num_workers", "4",
+        ]  # fmt: skip
+        return args + (["--use_cpu", "true"] if self.cpu else [])
+
+    def add(self, job: Job) -> Job:
+        self.jobs[job.name] = job
+        return job
+
+    def training(self, name: str, part: str, strategy: str, processes: int, out: Path | None = None,
+                 extra: tuple[str, ...] = (), report: bool = True, **kw) -> Job:  # fmt: skip
+        out = out or self.work / name
+        launcher = kw.pop("launcher", False)  # one process through the strategy's launcher (else plain python)
+        # tools/rank_report.py: the script plus a report of what each rank trained with (wrapper, shards)
+        script = "tools/rank_report.py" if report and STRATEGY_RUNS.get(strategy, ("", ""))[1] else (
+            "run_image_classification.py")  # fmt: skip
+        if processes == 1 and strategy in ("single", "ddp") and not launcher:
+            argv = [self.python, script]
+        else:
+            argv = self.launch(strategy, processes, script)
+        argv += self.run_args(out, processes) + list(extra)
+        gpus = 0 if self.cpu else processes
+        return self.add(Job(name, part, argv, gpus=gpus, output=out, **kw))
+
+    def score(self, run: str, part: str) -> Job:
+        """pipeline() on the saved model over the test split, in a fresh process on one GPU."""
+        out = self.jobs[run].output
+        argv = [self.python, str(Path(__file__).relative_to(ROOT)), "--score", str(out), "--work", str(self.work)]
+        return self.add(Job(f"score-{run}", part, argv + (["--cpu"] if self.cpu else []), gpus=0 if self.cpu else 1,
+                            needs=(run,)))  # fmt: skip
+
+    # -------------------------------------------------------------------------------------------------- plan
+    def plan(self, parts: list[str], only: set[str] | None = None) -> None:
+        n = self.procs
+        # CPU processes (--cpu): no FSDP (GPUs only) and no ZeRO++ (quantized collectives need NCCL)
+        strategies = [s for s in STRATEGY_RUNS if not (self.cpu and s.startswith(("fsdp", "zeropp")))]
+        cpu_ok = [s for s in KILLED if s in strategies]
+        for s in strategies:
+            self.training(s, "strategies", s, n)
+        if "strategies" in parts:
+            for s in strategies:
+                self.score(s, "strategies")
+        if "kill" in parts:
+            for s in cpu_ok:
+                out = self.work / f"kill-{s}"
+                killed = self.training(f"kill-{s}", "kill", s, n, out=out, report=False)
+                killed.kill_when = out / f"checkpoint-{SAVE_EVERY}" / "run_identity.json"
+                self.training(f"resume-{s}", "kill", s, n, out=out, report=False, needs=(killed.name,))
+        if "resume" in parts and (n > 1 or self.cpu):
+            for s in [s for s in CROSS_COUNT if s in strategies]:
+                # all -> 1: the uninterrupted run's checkpoint, resumed by the same command on one GPU
+                self.training(f"to1-{s}", "resume", s, 1, needs=(s,), seed_from=self.work / s, launcher=True)
+                # 1 -> all: a one-GPU run, and its checkpoint resumed on every GPU
+                self.training(f"one-{s}", "resume", s, 1, launcher=True)
+                self.training(f"from1-{s}", "resume", s, n, needs=(f"one-{s}",), seed_from=self.work / f"one-{s}")
+            self.training("to1-zero3", "resume", "zero3", 1, needs=("zero3",), seed_from=self.work / "zero3",
+                          launcher=True)  # fmt: skip
+        if "single" in parts:
+            self.plan_single()
+        if "vith" in parts:
+            self.plan_vith()
+        wanted = {name for name, job in self.jobs.items() if job.part in parts and (not only or name in only)}
+        while True:  # keep what the wanted jobs need
+            more = {d for name in wanted for d in self.jobs[name].needs} - wanted
+            if not more:
+                break
+            wanted |= more
+        self.jobs = {name: job for name, job in self.jobs.items() if name in wanted}
+
+    def plan_single(self) -> None:
+        one = dict(part="single", strategy="single", processes=1)
+        self.training("default", **one)
+        self.score("default", "single")
+        self.training("patch-dropout", **one, extra=("--patch_dropout", "0.5"))
+        self.score("patch-dropout", "single")
+        self.training("lora", **one, extra=("--use_peft", "true", "--merge_adapter", "true"))
+        self.score("lora", "single")
+        self.training("class-weights", **one, extra=("--class_weights", "balanced"))
+        labels = self.training("multi-label", **one)
+        i = labels.argv.index("--dataset_name") + 1
+        labels.argv[i] = str(self.assets / "cifar100-multilabel")
+        out = self.work / "predict-only"
+        argv = [self.python, "run_image_classification.py", "--model_name_or_path", str(self.work / "default"),
+                "--do_predict", "true", "--predict_images", str(self.assets / "predict"), "--output_dir", str(out),
+                "--report_to", "none"] + (["--use_cpu", "true"] if self.cpu else [])  # fmt: skip
+        self.add(Job("predict-only", "single", argv, gpus=0 if self.cpu else 1, needs=("default",), output=out))
+        if not self.cpu and importable("transformer_engine"):
+            self.training("te-fp8", **one, extra=("--fp8", "true", "--fp8_backend", "transformer_engine"))
+
+    def plan_vith(self) -> None:
+        model = "vit-tiny" if self.cpu else "vit-huge"
+        for name, count in (("vith", ["--num_processes", str(self.procs)]), ("vith-as-typed", [])):
+            out = self.work / name
+            argv = self.accelerate(BY_NAME["zero3"].accelerate_config, self.procs, "run_image_classification.py")
+            if not count:
+                i = argv.index("--num_processes")
+                del argv[i : i + 2]
+            argv += self.run_args(out, self.procs, model=model, recipe=RECIPE_H)
+            argv += ["--max_steps", "10", "--save_strategy", "no", "--per_device_train_batch_size", "16",
+                     "--gradient_accumulation_steps", "1"]  # fmt: skip
+            if name == "vith-as-typed" and (self.procs >= 8 or self.cpu):
+                continue  # the shipped num_processes (8) fits: the first run covers it
+            self.add(Job(name, "vith", argv, gpus=0 if self.cpu else self.procs, output=out))
+        if "vith" in self.jobs:
+            self.score("vith", "vith")
+
+    # --------------------------------------------------------------------------------------------------- run
+    def run(self) -> None:
+        pending = dict(self.jobs)
+        self.running = running = {}  # name -> (process, start time, GPUs placed on)
+        load = [0] * max(self.gpus, 1)
+        capacity = self.args.per_gpu if not self.cpu else 1
+        while pending or running:
+            for name, (proc, start, placed) in list(running.items()):
+                job = self.jobs[name]
+                if job.kill_when is not None and job.kill_when.exists() and proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)  # kill -9 of the launcher's process group
+                    job.result["killed_at"] = sorted(p.name for p in job.output.glob("checkpoint-*"))
+                    self.log(f"{name}: SIGKILL once {job.kill_when.parent.name} was complete")
+                timeout = time.time() - start > job.timeout
+                if timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                if proc.poll() is not None or timeout:
+                    proc.wait()
+                    job.result.update(exit="timeout" if timeout else proc.returncode,
+                                      seconds=round(time.time() - start, 1))  # fmt: skip
+                    for g in placed:
+                        load[g] -= 1
+                    del running[name]
+                    self.log(f"{name}: exit {job.result['exit']} in {job.result['seconds']}s")
+            for name, job in list(pending.items()):
+                if any(d in pending or d in running for d in job.needs):
+                    continue
+                if failed := [d for d in job.needs if self.jobs[d].result.get("exit") not in (0, -9)]:
+                    job.result.update(exit="not run", reason=f"{failed[0]} failed")
+                    del pending[name]
+                    continue
+                placed = self.place(job, load, capacity)
+                if placed is None:
+                    continue
+                for g in placed:
+                    load[g] += 1
+                running[name] = (self.start(job, placed), time.time(), placed)
+                del pending[name]
+            time.sleep(0.1)
+
+    def place(self, job: Job, load: list[int], capacity: int) -> list[int] | None:
+        if job.gpus == 0:  # CPU jobs: side by side on a GPU machine, one at a time with --cpu
+            busy = len(self.running) if self.cpu else 0
+            return [] if busy < capacity else None
+        if job.gpus >= len(load):
+            return list(range(len(load))) if max(load) < capacity else None
+        free = sorted(range(len(load)), key=lambda g: load[g])[: job.gpus]
+        return free if all(load[g] < capacity for g in free) else None
+
+    def start(self, job: Job, placed: list[int]) -> subprocess.Popen:
+        if job.seed_from is not None and job.output is not None and not job.output.exists():
+            checkpoint = job.seed_from / f"checkpoint-{SAVE_EVERY}"
+            job.output.mkdir(parents=True)
+            shutil.copytree(checkpoint, job.output / checkpoint.name)
+            shutil.copy(job.seed_from / "run_config.json", job.output / "run_config.json")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+        if placed and len(placed) < self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_ids[g] for g in placed)
+        if self.cpu:
+            env["OMP_NUM_THREADS"] = "1"
+        # Each job its own rendezvous port (jobs run side by side).
+        argv = [free_port_str() if a == "{port}" else a for a in job.argv]
+        if "--num_gpus" in argv and placed and len(placed) < self.gpus:
+            # DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES once --num_gpus is given: name the GPUs instead.
+            i = argv.index("--num_gpus")
+            argv[i : i + 2] = ["--include", "localhost:" + ",".join(self.gpu_ids[g] for g in placed)]
+            del env["CUDA_VISIBLE_DEVICES"]
+        shown = [a for i, a in enumerate(job.argv) if "{port}" not in job.argv[i : i + 2]]  # the port flag too
+        job.result["command"] = " ".join(map(self.shown, shown))
+        log = open(self.work / "logs" / f"{job.name}.log", "w")  # noqa: SIM115 (closed with the process)
+        self.log(f"{job.name}: start on {'GPU ' + ','.join(map(str, placed)) if placed else 'CPU'}")
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def shown(self, arg: str) -> str:
+        """Commands as a user types them: the work folder as $WORK, the launchers by name."""
+        arg = arg.replace(str(self.work), "$WORK")
+        return Path(arg).name if arg.endswith(("/accelerate", "/deepspeed", "/python3", "/python")) else arg
+
+    def log(self, message: str) -> None:
+        print(f"[acceptance +{time.time() - self.t0:.0f}s] {message}", flush=True)
+
+    @property
+    def gpu_ids(self) -> list[str]:
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        return visible or [str(i) for i in range(self.gpus)]
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def losses(out: Path) -> dict[int, float]:
+    history = _json(out / "trainer_state.json").get("log_history", [])
+    return {e["step"]: e["loss"] for e in history if "loss" in e}
+
+
+def log_text(suite: Suite, name: str) -> str:
+    path = suite.work / "logs" / f"{name}.log"
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def why_failed(suite: Suite, name: str) -> str:
+    result = suite.jobs[name].result
+    if result.get("exit") == "not run":
+        return f"not run: {result.get('reason')}"
+    text = log_text(suite, name).splitlines()
+    errors = [x for x in text if x.startswith(("error: ", "RuntimeError", "ValueError", "AssertionError"))]
+    last = (errors or [x for x in text if x.strip()] or ["no output"])[-1].strip()
+    return f"exit {result.get('exit')}: {last[:300]}"
+
+
+def max_rel(ours: dict[int, float], theirs: dict[int, float], steps) -> tuple[float, list[int]]:
+    missing = [s for s in steps if s not in ours or s not in theirs]
+    if missing:
+        return float("inf"), missing
+    return max(abs(ours[s] - theirs[s]) / abs(theirs[s]) for s in steps), []
+
+
+def compare_weights(a: Path, b: Path) -> tuple[float, str]:
+    from safetensors.torch import load_file
+
+    if not (a / "model.safetensors").is_file() or not (b / "model.safetensors").is_file():
+        return float("inf"), "model.safetensors missing"
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    if set(x) != set(y):
+        return float("inf"), f"keys differ: {sorted(set(x) ^ set(y))[:3]}"
+    worst = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
+    return worst, f"max |w - w_uninterrupted| = {worst:.2e} (bound {WEIGHT_TOLERANCE})"
+
+
+def check(suite: Suite) -> list[dict]:
+    rows: list[dict] = []
+
+    def add(part, name, job, ok, detail):
+        command = suite.jobs[job].result.get("command", "") if job in suite.jobs else "-"
+        rows.append({"part": part, "check": name, "status": ok if isinstance(ok, str) else ("PASS" if ok else "FAIL"),
+                     "detail": detail, "command": command})  # fmt: skip
+
+    def ran(part, name, check_name=None) -> bool:
+        ok = suite.jobs[name].result.get("exit") == 0
+        if not ok:
+            add(part, check_name or f"{name}: runs", name, False, why_failed(suite, name))
+        return ok
+
+    w = suite.work
+    for name, job in suite.jobs.items():
+        if job.part == "strategies" and not name.startswith("score-") and ran("strategies", name):
+            expected_wrapper = STRATEGY_RUNS[name][1]
+            reports = [_json(p) for p in sorted((w / name / "rank_reports").glob("rank*.json"))]
+            if expected_wrapper and reports:
+                world = {r["world_size"] for r in reports}
+                wrappers = {r["wrapper"].rsplit(".", 1)[-1] for r in reports}
+                stages = {r.get("zero_stage") for r in reports}
+                spec = BY_NAME[name]
+                local = [r["param_numel_local"] for r in reports]
+                full = reports[0]["param_numel_full"]
+                sharded = "parameters" in spec.shards and suite.procs > 1
+                ok = (world == {suite.procs} and len(reports) == suite.procs
+                      and all(expected_wrapper in x for x in wrappers) and stages == {spec.zero_stage}
+                      and (not sharded or max(local) <= full / suite.procs * 1.01 + 4096))  # fmt: skip
+                add("strategies", f"{name}: {suite.procs} ranks, {expected_wrapper}, ZeRO stage {spec.zero_stage}, "
+                    f"parameters {'sharded' if sharded else 'whole'}", name, ok,
+                    f"world {sorted(world)}, wrappers {sorted(wrappers)}, stages {sorted(stages, key=str)}, "
+                    f"parameters per rank {local} of {full}")  # fmt: skip
+            if name != "ddp" and suite.jobs["ddp"].result.get("exit") == 0:
+                rel, missing = max_rel(losses(w / name), losses(w / "ddp"), [STEPS])
+                add("strategies", f"{name}: loss at step {STEPS} within {LOSS_TOLERANCE:.0%} of DDP's", name,
+                    rel <= LOSS_TOLERANCE, f"missing steps {missing}" if missing else
+                    f"{losses(w / name)[STEPS]:.4f} vs {losses(w / 'ddp')[STEPS]:.4f} (rel. diff {rel:.2e})")  # fmt: skip
+    for name, job in suite.jobs.items():
+        if name.startswith("score-") and suite.jobs[name[6:]].result.get("exit") == 0:
+            run = name[6:]
+            if not ran(job.part, name, f"{run}: the saved model reloads with pipeline()"):
+                continue
+            scored = _json(w / "scores" / f"{run}.json")
+            reported = _json(w / run / "all_results.json").get("test_accuracy")
+            ok = reported is not None and abs(scored["accuracy"] - reported) <= SCORE_TOLERANCE + 1e-9
+            add(job.part, f"{run}: pipeline() on the saved model scores the run's test accuracy (within "
+                f"{SCORE_TOLERANCE * 100:.1f} points)", name, ok,
+                f"pipeline {scored['accuracy']:.4f} on {scored['images']} images, run {reported}")  # fmt: skip
+    for s in KILLED:
+        if f"kill-{s}" not in suite.jobs:
+            continue
+        killed = suite.jobs[f"kill-{s}"].result
+        was_killed = killed.get("exit") == -9 and "killed_at" in killed
+        add("kill", f"{s}: killed (SIGKILL) after a complete checkpoint", f"kill-{s}", was_killed,
+            f"exit {killed.get('exit')}, checkpoints on disk {killed.get('killed_at')}")  # fmt: skip
+        if was_killed and ran("kill", f"resume-{s}", f"{s}: the same command again resumes"):
+            state = _json(w / f"kill-{s}" / "trainer_state.json")
+            resumed = "Resum" in log_text(suite, f"resume-{s}")
+            worst, detail = compare_weights(w / f"kill-{s}", w / s)
+            add("kill", f"{s}: resumed to step {STEPS}, same weights as the uninterrupted run", f"resume-{s}",
+                worst <= WEIGHT_TOLERANCE and state.get("global_step") == STEPS and resumed,
+                f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'}; {detail}")  # fmt: skip
+    for s in CROSS_COUNT:
+        for name, reference, where in ((f"to1-{s}", s, f"{suite.procs} -> 1"),
+                                       (f"from1-{s}", f"one-{s}", f"1 -> {suite.procs}")):  # fmt: skip
+            if name not in suite.jobs or not ran("resume", name, f"{s}: resumed {where}"):
+                continue
+            after = range(SAVE_EVERY + 1, STEPS + 1)
+            rel, missing = max_rel(losses(w / name), losses(w / reference), after)
+            add("resume", f"{s}: resumed {where}, steps {after[0]}-{after[-1]} within {LOSS_TOLERANCE:.0%} of the "
+                "uninterrupted run", name, rel <= LOSS_TOLERANCE,
+                f"missing steps {missing}" if missing else f"worst rel. diff {rel:.2e}")  # fmt: skip
+    if "to1-zero3" in suite.jobs:
+        text, result = log_text(suite, "to1-zero3"), suite.jobs["to1-zero3"].result
+        lines = [x for x in text.splitlines() if x.startswith("error: ")]
+        ok = result.get("exit") not in (0, None) and any("ZeRO-3 resumes on the process count" in x for x in lines)
+        add("resume", f"zero3: {suite.procs} -> 1 refused in one line", "to1-zero3", ok,
+            lines[-1][:300] if lines else why_failed(suite, "to1-zero3"))  # fmt: skip
+    check_single(suite, add, ran)
+    check_vith(suite, add, ran)
+    return rows
+
+
+def check_single(suite: Suite, add, ran) -> None:
+    w = suite.work
+    if "default" in suite.jobs and ran("single", "default"):
+        compiled = "Regional compilation on" in log_text(suite, "default")
+        add(
+            "single",
+            "default command: trains with regional compilation",
+            "default",
+            compiled or suite.cpu,
+            "compiled" if compiled else "eager (CPU)" if suite.cpu else "no 'Regional compilation on' line",
+        )
+    if "patch-dropout" in suite.jobs and ran("single", "patch-dropout"):
+        add("single", "--patch_dropout 0.5: trains", "patch-dropout", len(losses(w / "patch-dropout")) == STEPS,
+            f"{len(losses(w / 'patch-dropout'))} steps logged")  # fmt: skip
+    if "lora" in suite.jobs and ran("single", "lora"):
+        adapters = sorted(p.parent.name for p in w.glob("lora/checkpoint-*/adapter_config.json"))
+        merged = (w / "lora" / "model.safetensors").is_file() and not (w / "lora" / "adapter_config.json").is_file()
+        add(
+            "single",
+            "LoRA: adapters in the checkpoints, a plain merged model at the end",
+            "lora",
+            bool(adapters) and merged,
+            f"adapters in {adapters}; merged model {'saved' if merged else 'missing'}",
+        )
+    if "class-weights" in suite.jobs and ran("single", "class-weights"):
+        results = _json(w / "class-weights" / "all_results.json")
+        add(
+            "single",
+            "--class_weights balanced: trains, reports per-class recall",
+            "class-weights",
+            "test_recall_macro" in results,
+            f"test_recall_macro (balanced accuracy) {results.get('test_recall_macro')}",
+        )
+    if "multi-label" in suite.jobs and ran("single", "multi-label"):
+        results = _json(w / "multi-label" / "all_results.json")
+        config = _json(w / "multi-label" / "config.json")
+        ok = config.get("problem_type") == "multi_label_classification" and "test_mean_average_precision" in results
+        add(
+            "single",
+            "multi-label: trains, scores mAP, saves a multi-label model",
+            "multi-label",
+            ok,
+            f"problem_type {config.get('problem_type')}, test mAP {results.get('test_mean_average_precision')}",
+        )
+    if "predict-only" in suite.jobs and ran("single", "predict-only"):
+        import csv
+
+        with open(w / "predict-only" / "predictions.csv") as f:
+            rows = list(csv.DictReader(f))
+        truth = [Path(r["file"]).stem.split("-", 1)[1] for r in rows]
+        agree = sum(r["label"] == t for r, t in zip(rows, truth)) / max(len(rows), 1)
+        expected = len(list((suite.assets / "predict").iterdir()))
+        add(
+            "single",
+            "predict-only from the trained folder: predictions.csv for every image",
+            "predict-only",
+            len(rows) == expected,
+            f"{len(rows)} of {expected} images; {agree:.1%} match their true class",
+        )
+    if "te-fp8" in suite.jobs:
+        if ran("single", "te-fp8"):
+            add("single", "TE FP8: trains", "te-fp8", len(losses(w / "te-fp8")) == STEPS, "")
+    elif "default" in suite.jobs:
+        add("single", "TE FP8", "te-fp8", "SKIP", "transformer_engine does not import here (carry its wheels)")
+
+
+def check_vith(suite: Suite, add, ran) -> None:
+    if "vith" in suite.jobs and ran("vith", "vith", "ViT-H recipe under the README's zero3 command: runs"):
+        steps = losses(suite.work / "vith")
+        report = _json(suite.work / "vith" / "all_results.json")
+        add(
+            "vith",
+            f"ViT-H recipe under zero3 on {suite.procs} processes: 10 steps, a plain saved model",
+            "vith",
+            len(steps) == 10 and (suite.work / "vith" / "model.safetensors").is_file(),
+            f"losses {[round(v, 3) for v in steps.values()][::3]}, {report.get('train_samples_per_second')} img/s",
+        )
+    if "vith-as-typed" in suite.jobs:
+        text, result = log_text(suite, "vith-as-typed"), suite.jobs["vith-as-typed"].result
+        lines = [x for x in text.splitlines() if x.startswith("error: ")]
+        tracebacks = text.count("Traceback (most recent call last)")
+        ok = result.get("exit") not in (0, None) and any(f"--num_processes {suite.procs}" in x for x in lines)
+        add(
+            "vith",
+            f"zero3 command without --num_processes on {suite.procs} GPUs: one line naming "
+            f"--num_processes {suite.procs}",
+            "vith-as-typed",
+            ok and tracebacks == 0,
+            (lines[-1][:240] if lines else why_failed(suite, "vith-as-typed")) + f"; {tracebacks} traceback(s)",
+        )
+
+
+# ------------------------------------------------------------------------------------------------------ assets
+def build_assets(suite: Suite, parts: list[str]) -> None:
+    """CIFAR-100-shaped data (4,000 train / 1,000 test PNGs), a multi-label copy, a folder of images to predict,
+    random ViT-B/16 with the 100-class head in place (every run starts from the same weights) and ViT-H/14."""
+    import numpy as np
+    from make_assets import CHECKPOINTS, make_dataset
+
+    a = suite.assets
+    if not (a / "cifar100").is_dir():
+        make_dataset(a / "cifar100", "img", "fine_label", 100, {"train": 4000, "test": 1000}, "PNG", (32, 32), 8)
+    models = ["vit-tiny"] if suite.cpu else ["vit-base"] + (["vit-huge"] if "vith" in parts else [])
+    names = {i: f"class_{i:03d}" for i in range(100)}
+    for name in models:
+        if (a / name / "config.json").is_file():
+            continue
+        import torch
+        from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+        torch.manual_seed(0)
+        shape = CHECKPOINTS.get(name) or dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                              intermediate_size=64, patch_size=8, image_size=32)  # fmt: skip
+        config = ViTConfig(**shape, num_labels=100, id2label=names, label2id={v: k for k, v in names.items()})
+        ViTForImageClassification(config).save_pretrained(a / name)
+        ViTImageProcessor(size={"height": shape["image_size"], "width": shape["image_size"]}).save_pretrained(a / name)
+    if suite.cpu and not (a / "vit-base-100").exists():
+        (a / "vit-base-100").symlink_to(a / "vit-tiny")
+    elif not suite.cpu and not (a / "vit-base-100").exists():
+        (a / "vit-base-100").symlink_to(a / "vit-base")
+    if "single" in parts and not (a / "cifar100-multilabel").is_dir():
+        from datasets import ClassLabel, Features, Sequence, load_dataset
+
+        data = load_dataset(str(a / "cifar100"))
+        features = Features({"img": data["train"].features["img"],
+                             "labels": Sequence(ClassLabel(names=[f"super_{i:02d}" for i in range(20)]))})  # fmt: skip
+        (a / "cifar100-multilabel" / "data").mkdir(parents=True)
+        for split, rows in data.items():
+            fine = np.asarray(rows["fine_label"])
+            # two labels each: the class's group of five and the group of the next class
+            labels = [sorted({int(f) // 5, (int(f) + 7) % 100 // 5}) for f in fine]
+            rows.remove_columns("fine_label").add_column("labels", labels).cast(features).to_parquet(
+                str(a / "cifar100-multilabel" / "data" / f"{split}-00000-of-00001.parquet"))  # fmt: skip
+        (a / "predict").mkdir()
+        test = data["test"]
+        for i in range(64):
+            test[i]["img"].save(a / "predict" / f"{i:03d}-{names[test[i]['fine_label']]}.png")
+
+
+def score(model_dir: Path, work: Path, cpu: bool) -> None:
+    """pipeline() on a saved model over the test split: the user's way to load what a run saved."""
+    from datasets import load_dataset
+    from transformers import pipeline
+
+    test = load_dataset(str(work / "assets" / "cifar100"), split="test")
+    names = test.features["fine_label"].names
+    classifier = pipeline("image-classification", model=str(model_dir), device="cpu" if cpu else 0)
+    predicted = classifier(list(test["img"]), batch_size=128, top_k=1)
+    right = sum(p[0]["label"] == names[y] for p, y in zip(predicted, test["fine_label"]))
+    (work / "scores").mkdir(exist_ok=True)
+    out = {"accuracy": right / len(test), "images": len(test)}
+    (work / "scores" / f"{model_dir.name}.json").write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------------------------------ record
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "evaluate",
+                 "huggingface_hub", "transformer_engine"):  # fmt: skip
+        with contextlib.suppress(PackageNotFoundError):
+            found[name] = version(name)
+    return found
+
+
+def write_record(record: Path, suite: Suite, parts: list[str], rows: list[dict], device: str, seconds: float):
+    record.mkdir(parents=True, exist_ok=True)
+    path = record / "acceptance.json"
+    old = _json(path)
+    runs = [r for r in old.get("runs", []) if not set(r["parts"]) & set(parts)]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()  # fmt: skip
+    runs.append({
+        "parts": parts, "device": device, "gpus": suite.gpus, "date": datetime.date.today().isoformat(),
+        "commit": (commit.stdout.strip() or os.environ.get("BENCH_GIT_COMMIT", "unknown")) + ("+dirty" if dirty else ""),
+        "command": " ".join(["python", "benchmarks/acceptance.py", "--parts", ",".join(parts)]),
+        "versions": versions(), "wall_s": round(seconds), "checks": rows,
+        "jobs": {n: {k: v for k, v in j.result.items() if k != "command"} for n, j in suite.jobs.items()},
+    })  # fmt: skip
+    runs.sort(key=lambda r: PARTS.index(r["parts"][0]))
+    path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    every = [c for r in runs for c in r["checks"]]
+    failed = sum(c["status"] == "FAIL" for c in every)
+    lines = [f"# Acceptance: {runs[0]['gpus']} x {runs[0]['device']}", "",
+             f"**{len(every) - failed} of {len(every)} checks pass or skip; {failed} fail.** Tolerances: loss "
+             f"{LOSS_TOLERANCE:.0%} relative, pipeline() score {SCORE_TOLERANCE * 100:.1f} points, weights "
+             f"{WEIGHT_TOLERANCE} absolute. `$WORK` is the suite's work folder (`--work`).", ""]  # fmt: skip
+    for r in runs:
+        lines += [f"## {', '.join(r['parts'])}", "",
+                  f"`{r['command']}` on {r['gpus']} x {r['device']}, {r['date']}, commit {r['commit']}, "
+                  f"{r['wall_s']} s wall clock. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
+                  "", "| status | check | detail | command |", "|---|---|---|---|"]  # fmt: skip
+        for c in r["checks"]:
+            detail = str(c["detail"]).replace("|", "/")
+            lines.append(f"| {c['status']} | {c['check']} | {detail} | `{c['command']}` |")
+        lines.append("")
+    (record / "acceptance.md").write_text("\n".join(lines))
+
+
+def importable(name: str) -> bool:
+    try:
+        __import__(name)
+        return True
+    except Exception:
+        return False
+
+
+def free_port_str() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    parser.add_argument("--record", default=None, help="record folder (default benchmarks/results/<date>_acceptance_"
+                        "<gpus>x<card>); a record there keeps the parts not run now")  # fmt: skip
+    parser.add_argument("--work", default="/tmp/acceptance", help="runs, logs and assets (not kept in git)")
+    parser.add_argument("--only", default=None, help="comma-separated job names within the parts (and what they need)")
+    parser.add_argument("--per_gpu", type=int, default=3, help="jobs sharing one GPU at a time")
+    parser.add_argument("--cpu", action="store_true", help="a check of the suite itself on CPU processes")
+    parser.add_argument("--score", default=None, help=argparse.SUPPRESS)  # internal: one pipeline() score
+    args = parser.parse_args()
+    if args.score:
+        score(Path(args.score), Path(args.work), args.cpu)
+        return 0
+    parts = [p for p in PARTS if p in args.parts.split(",")]
+    if unknown := set(args.parts.split(",")) - set(PARTS):
+        parser.error(f"unknown part {sorted(unknown)[0]}: use {', '.join(PARTS)}")
+    import torch
+
+    gpus = 2 if args.cpu else torch.cuda.device_count()
+    if gpus == 0:
+        parser.error("no GPU visible: this suite proves GPU behaviour (`--cpu` checks the suite itself)")
+    device = "CPU" if args.cpu else torch.cuda.get_device_name(0).replace("NVIDIA ", "")
+    card = device.split()[0]
+    record = Path(args.record or ROOT / "benchmarks/results" / f"{datetime.date.today()}_acceptance_{gpus}x{card}")
+    suite = Suite(args, gpus)
+    start = suite.t0
+    suite.work.mkdir(parents=True, exist_ok=True)
+    for stale in [p for p in suite.work.iterdir() if p.name != "assets"]:  # assets are kept: they take a while
+        shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+    (suite.work / "logs").mkdir()
+    suite.log(f"{gpus} x {device}; parts {', '.join(parts)}; assets in {suite.assets}")
+    build_assets(suite, parts)
+    suite.plan(parts, set(args.only.split(",")) if args.only else None)
+    suite.log(f"{len(suite.jobs)} jobs: {', '.join(suite.jobs)}")
+    suite.run()
+    rows = [r for r in check(suite) if r["part"] in parts]
+    write_record(record, suite, parts, rows, device, time.time() - start)
+    failed = [r for r in rows if r["status"] == "FAIL"]
+    for r in rows:
+        print(f"{r['status']:4}  {r['check']}: {r['detail']}")
+    suite.log(f"{len(rows) - len(failed)} of {len(rows)} checks pass or skip; record: {record}/acceptance.md")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
