@@ -455,6 +455,35 @@ def test_zero2_checkpoint_resumes_on_another_process_count(processes, zero2_run,
     np.testing.assert_allclose(losses(out)[10:], losses(zero2_run)[10:], rtol=REL_TOL)  # steps 11-20
 
 
+def test_a_deepspeed_resume_puts_each_fused_optimizer_step_beside_its_parameter(monkeypatch):
+    """On GPUs a ZeRO-2 checkpoint resumed on another GPU count stopped at the first step ("state_steps is on cpu"):
+    DeepSpeed's universal loader assigns the saved `step` as a CPU tensor, where fused and capturable AdamW need it
+    on the parameter's device (torch's own load_state_dict moves it). A meta parameter stands in for the GPU; an
+    offloaded (CPU) parameter and a plain AdamW keep their CPU steps, as torch keeps them."""
+    from transformers import Trainer
+
+    from vit_recipes.trainer import ImageClassificationTrainer
+
+    on_gpu, offloaded, plain = (torch.nn.Parameter(torch.zeros(4, device=d)) for d in ("meta", "cpu", "meta"))
+    fused = torch.optim.AdamW([on_gpu, offloaded], fused=True)
+    unfused = torch.optim.AdamW([plain])
+
+    def deepspeed_universal_load(self, checkpoint):  # what load_hp_checkpoint_state_from_checkpoint_dir leaves
+        optimizer = self.optimizer.optimizer.optimizer
+        for param in optimizer.param_groups[0]["params"]:
+            optimizer.state[param]["step"] = torch.tensor(10.0)
+
+    monkeypatch.setattr(Trainer, "_load_optimizer_and_scheduler", deepspeed_universal_load)
+    for optimizer in (fused, unfused):
+        trainer = ImageClassificationTrainer.__new__(ImageClassificationTrainer)
+        trainer.is_deepspeed_enabled = True
+        wrapped = types.SimpleNamespace(optimizer=optimizer)  # DeepSpeed's ZeRO optimizer
+        trainer.optimizer = types.SimpleNamespace(optimizer=wrapped)  # accelerate's
+        trainer._load_optimizer_and_scheduler("checkpoint-10")
+    assert fused.state[on_gpu]["step"].device == on_gpu.device and fused.state[on_gpu]["step"].dtype == torch.float32
+    assert fused.state[offloaded]["step"].device.type == "cpu" and unfused.state[plain]["step"].device.type == "cpu"
+
+
 @pytest.mark.slow
 def test_two_machines_over_loopback_with_the_slurm_script(ten_classes, new_head_vit, tmp_path):
     """scripts/slurm/train.sbatch with a stand-in `srun` that starts its one task per "node" on this host.

@@ -21,6 +21,27 @@ from .run_dir import mark_complete, write_loss_record
 from .transforms import smooth_targets
 
 
+def steps_to_parameter_devices(optimizer) -> int:
+    """Put each fused or capturable optimizer's `step` on its parameter's device; returns how many were moved.
+
+    torch's Optimizer.load_state_dict does this (fused and capturable AdamW need `step` beside the parameters), but
+    DeepSpeed's universal loader for ZeRO-1/2 (load_hp_checkpoint_state_from_checkpoint_dir) assigns the saved `step`,
+    a CPU tensor, directly: the first fused step on a GPU then stops with "state_steps is on cpu". Offloaded states
+    stay where their (CPU) parameters are."""
+    while getattr(optimizer, "optimizer", None) not in (None, optimizer):
+        optimizer = optimizer.optimizer  # accelerate's and DeepSpeed's wrappers hold the torch optimizer
+    moved = 0
+    for group in getattr(optimizer, "param_groups", []):
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if torch.is_tensor(step) and step.device != param.device:
+                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
+                moved += 1
+    return moved
+
+
 class _NothingLeftToTrain(Exception):
     """Raised before a step when the resumed checkpoint already holds the run's last one."""
 
@@ -218,6 +239,12 @@ class ImageClassificationTrainer(Trainer):
                 f"cannot read the weights of {resume_from_checkpoint} ({first_line(err)}): delete that folder to "
                 "resume from the checkpoint before it, or pass --overwrite_output_dir to start over"
             ) from err
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        # Under DeepSpeed, deepspeed_load_checkpoint has just loaded the optimizer (universal checkpoints included).
+        if checkpoint and self.is_deepspeed_enabled:
+            steps_to_parameter_devices(self.optimizer)
 
     def create_model_card(self, *args, **kwargs):
         # push_to_hub calls this before uploading: ours replaces transformers' generic card.
