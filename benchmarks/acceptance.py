@@ -649,7 +649,8 @@ def versions() -> dict[str, str]:
     return found
 
 
-def write_record(record: Path, suite: Suite, parts: list[str], rows: list[dict], device: str, seconds: float):
+def write_record(record: Path, suite: Suite, parts: list[str], rows: list[dict], device: str, seconds: float,
+                 before: dict | None = None):  # fmt: skip
     record.mkdir(parents=True, exist_ok=True)
     path = record / "acceptance.json"
     old = _json(path)
@@ -662,7 +663,8 @@ def write_record(record: Path, suite: Suite, parts: list[str], rows: list[dict],
         "commit": (commit.stdout.strip() or os.environ.get("BENCH_GIT_COMMIT", "unknown")) + ("+dirty" if dirty else ""),
         "command": " ".join(["python", "benchmarks/acceptance.py", "--parts", ",".join(parts)]),
         "versions": versions(), "wall_s": round(seconds), "checks": rows,
-        "jobs": {n: {k: v for k, v in j.result.items() if k != "command"} for n, j in suite.jobs.items()},
+        **({k: before[k] for k in ("date", "commit", "command", "versions")} if before else {}),
+        "jobs": {n: j.result for n, j in suite.jobs.items()},
     })  # fmt: skip
     runs.sort(key=lambda r: PARTS.index(r["parts"][0]))
     path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
@@ -711,7 +713,9 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=None, help="seconds: then no job starts, running ones stop, "
                         "and the record says what did not run")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="a check of the suite itself on CPU processes")
-    parser.add_argument("--score", default=None, help=argparse.SUPPRESS)  # internal: one pipeline() score
+    parser.add_argument("--recheck", action="store_true", help="check the runs already in --work again (the record's "
+                        "job results), without running anything")  # fmt: skip
+    parser.add_argument("--score", default=None, help=argparse.SUPPRESS)  # internal: pipeline() scores
     args = parser.parse_args()
     if args.score:
         score([Path(m) for m in args.score.split(",")], Path(args.work), args.cpu)
@@ -721,14 +725,26 @@ def main() -> int:
         parser.error(f"unknown part {sorted(unknown)[0]}: use {', '.join(PARTS)}")
     import torch
 
-    gpus = 2 if args.cpu else torch.cuda.device_count()
+    old = _json(Path(args.record) / "acceptance.json").get("runs", []) if args.recheck and args.record else []
+    ran_before = next((r for r in old if set(r["parts"]) == set(parts)), None)
+    if args.recheck and not ran_before:
+        parser.error(f"--recheck: no run of parts {','.join(parts)} in {args.record}/acceptance.json")
+    gpus = ran_before["gpus"] if ran_before else 2 if args.cpu else torch.cuda.device_count()
     if gpus == 0:
         parser.error("no GPU visible: this suite proves GPU behaviour (`--cpu` checks the suite itself)")
-    device = "CPU" if args.cpu else torch.cuda.get_device_name(0).replace("NVIDIA ", "")
+    device = ran_before["device"] if ran_before else "CPU" if args.cpu else torch.cuda.get_device_name(0)
+    device = device.replace("NVIDIA ", "")
     card = device.split()[0]
     record = Path(args.record or ROOT / "benchmarks/results" / f"{datetime.date.today()}_acceptance_{gpus}x{card}")
     suite = Suite(args, gpus)
     start = suite.t0
+    if ran_before:  # the same plan, the results recorded then, the outputs in --work
+        suite.plan(parts, set(args.only.split(",")) if args.only else None)
+        for name, job in suite.jobs.items():
+            job.result = ran_before["jobs"].get(name, {"exit": "not run", "reason": "not in the record"})
+        rows = [r for r in check(suite) if r["part"] in parts]
+        write_record(record, suite, parts, rows, device, ran_before["wall_s"], before=ran_before)
+        return 1 if any(r["status"] == "FAIL" for r in rows) else 0
     suite.work.mkdir(parents=True, exist_ok=True)
     for stale in [p for p in suite.work.iterdir() if p.name != "assets"]:  # assets are kept: they take a while
         shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
