@@ -192,7 +192,8 @@ class Suite:
                 out = self.work / f"kill-{s}"
                 killed = self.training(f"kill-{s}", "kill", s, n, out=out, report=False)
                 killed.kill_when = out / f"checkpoint-{SAVE_EVERY}" / "run_identity.json"
-                self.training(f"resume-{s}", "kill", s, n, out=out, report=False, needs=(killed.name,))
+                # needs the uninterrupted run too: the final weights are compared with its own
+                self.training(f"resume-{s}", "kill", s, n, out=out, report=False, needs=(killed.name, s))
         if "resume" in parts and (n > 1 or self.cpu):
             for s in [s for s in CROSS_COUNT if s in strategies]:
                 # all -> 1: the uninterrupted run's checkpoint, resumed by the same command on one GPU
@@ -408,6 +409,8 @@ def check(suite: Suite) -> list[dict]:
     for name, job in suite.jobs.items():
         if job.part == "strategies" and not name.startswith("score-") and ran("strategies", name):
             expected_wrapper = STRATEGY_RUNS[name][1]
+            if name == "ddp" and suite.procs == 1:
+                expected_wrapper = "ForImageClassification"  # DDP of one process is the plain model
             reports = [_json(p) for p in sorted((w / name / "rank_reports").glob("rank*.json"))]
             if expected_wrapper and reports:
                 world = {r["world_size"] for r in reports}
@@ -468,6 +471,8 @@ def check(suite: Suite) -> list[dict]:
             add("resume", f"{s}: resumed {where}, steps {after[0]}-{after[-1]} within {LOSS_TOLERANCE:.0%} of the "
                 "uninterrupted run", name, rel <= LOSS_TOLERANCE,
                 f"missing steps {missing}" if missing else f"worst rel. diff {rel:.2e}")  # fmt: skip
+    if suite.procs == 1 and not suite.cpu:
+        add("resume", "resume on another GPU count", "-", "SKIP", "needs 2 or more GPUs")
     if "to1-zero3" in suite.jobs:
         text, result = log_text(suite, "to1-zero3"), suite.jobs["to1-zero3"].result
         lines = [x for x in text.splitlines() if x.startswith("error: ")]
@@ -652,31 +657,47 @@ def versions() -> dict[str, str]:
     return found
 
 
-def write_record(record: Path, suite: Suite, parts: list[str], rows: list[dict], device: str, seconds: float,
-                 before: dict | None = None):  # fmt: skip
+def write_record(record: Path, suite: Suite, parts: list[str], rows: list[dict], device: str, seconds: float):
     record.mkdir(parents=True, exist_ok=True)
     path = record / "acceptance.json"
     old = _json(path)
     runs = [r for r in old.get("runs", []) if not set(r["parts"]) & set(parts)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()  # fmt: skip
+    # BENCH_GIT_COMMIT first: a copy of the tree on another machine may carry an older .git than its files.
+    commit = (
+        os.environ.get("BENCH_GIT_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
+    dirty = (
+        not os.environ.get("BENCH_GIT_COMMIT")
+        and subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    )
     runs.append({
         "parts": parts, "device": device, "gpus": suite.gpus, "date": datetime.date.today().isoformat(),
-        "commit": (commit.stdout.strip() or os.environ.get("BENCH_GIT_COMMIT", "unknown")) + ("+dirty" if dirty else ""),
+        "commit": commit + ("+dirty" if dirty else ""),
         "command": " ".join(["python", "benchmarks/acceptance.py", "--parts", ",".join(parts)]),
         "versions": versions(), "wall_s": round(seconds), "checks": rows,
-        **({k: before[k] for k in ("date", "commit", "command", "versions")} if before else {}),
         "jobs": {n: j.result for n, j in suite.jobs.items()},
     })  # fmt: skip
-    runs.sort(key=lambda r: PARTS.index(r["parts"][0]))
-    path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    render(record, runs)
+
+
+def render(record: Path, runs: list[dict]) -> None:
+    """acceptance.json and acceptance.md from the runs (one per part selection), in the order of PARTS."""
+    runs = sorted(runs, key=lambda r: PARTS.index(r["parts"][0]))
+    (record / "acceptance.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     every = [c for r in runs for c in r["checks"]]
     failed = sum(c["status"] == "FAIL" for c in every)
     lines = [f"# Acceptance: {runs[0]['gpus']} x {runs[0]['device']}", "",
              f"**{len(every) - failed} of {len(every)} checks pass or skip; {failed} fail.** Tolerances: loss "
              f"{LOSS_TOLERANCE:.0%} relative, pipeline() score {SCORE_TOLERANCE * 100:.1f} points, weights "
              f"{WEIGHT_TOLERANCE} absolute. `$WORK` is the suite's work folder (`--work`).", ""]  # fmt: skip
+    if (record / "losses.png").is_file():
+        lines += ["![Per-step loss against each run's reference](losses.png)", ""]
     for r in runs:
         lines += [f"## {', '.join(r['parts'])}", "",
                   f"`{r['command']}` on {r['gpus']} x {r['device']}, {r['date']}, commit {r['commit']}, "
@@ -687,6 +708,59 @@ def write_record(record: Path, suite: Suite, parts: list[str], rows: list[dict],
             lines.append(f"| {c['status']} | {c['check']} | {detail} | `{c['command']}` |")
         lines.append("")
     (record / "acceptance.md").write_text("\n".join(lines))
+
+
+def merge(record: Path, other: Path) -> None:
+    """Add another call's record (other parts, same machine kind) to `record`: two calls make one record."""
+    runs = _json(record / "acceptance.json").get("runs", [])
+    new = _json(other).get("runs", [])
+    parts = {p for r in new for p in r["parts"]}
+    render(record, [r for r in runs if not set(r["parts"]) & parts] + new)
+
+
+def chart(suite: Suite, record: Path) -> None:
+    """losses.png: each run's per-step loss against its reference (DDP for the strategies, the uninterrupted run
+    for the resumed ones), as a relative difference on a log scale with the tolerance drawn in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w, floor = suite.work, 1e-6
+    panels = {
+        f"Strategies against DDP ({suite.procs} GPUs, same seed and batch)": [
+            (s, s, "ddp") for s in STRATEGY_RUNS if s != "ddp" and f"{s}" in suite.jobs],
+        "Resumed runs against the uninterrupted run (after the step-10 checkpoint)": [
+            *((f"{s}: killed, resumed", f"kill-{s}", s) for s in KILLED if f"resume-{s}" in suite.jobs),
+            *((f"{s}: {suite.procs} -> 1 GPU", f"to1-{s}", s) for s in CROSS_COUNT if f"to1-{s}" in suite.jobs),
+            *((f"{s}: 1 -> {suite.procs} GPUs", f"from1-{s}", f"one-{s}") for s in CROSS_COUNT
+              if f"from1-{s}" in suite.jobs)],
+    }  # fmt: skip
+    panels = {title: lines for title, lines in panels.items() if lines}
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.2), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels.items()):
+        for label, run, reference in lines:
+            ours, theirs = losses(w / run), losses(w / reference)
+            steps = [s for s in sorted(ours) if s in theirs and (s > SAVE_EVERY or "Resumed" not in title)]
+            diffs = [max(abs(ours[s] - theirs[s]) / abs(theirs[s]), floor) for s in steps]
+            style = ":" if "1 ->" in label else "--" if "-> 1" in label else "-"  # one style per kind of resume
+            if steps:
+                ax.plot(steps, diffs, marker=".", linewidth=1, linestyle=style, label=label)
+        ax.axhline(LOSS_TOLERANCE, color="crimson", linestyle="--", linewidth=1.2,
+                   label=f"tolerance ({LOSS_TOLERANCE:.0%})")  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_ylim(floor / 2, 1)
+        ax.set_xlim(0, STEPS + 1)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(f"|loss - reference| / reference (losses logged to 4 decimals; {floor:g}: equal)")
+        ax.set_title(title + "\n(coinciding lines are runs with equal losses)", fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(record / "losses.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def importable(name: str) -> bool:
@@ -716,8 +790,9 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=None, help="seconds: then no job starts, running ones stop, "
                         "and the record says what did not run")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="a check of the suite itself on CPU processes")
-    parser.add_argument("--recheck", action="store_true", help="check the runs already in --work again (the record's "
-                        "job results), without running anything")  # fmt: skip
+    parser.add_argument("--redraw", action="store_true", help="draw losses.png again from the runs in --work and "
+                        "rewrite the record's markdown (its checks are kept); runs nothing")  # fmt: skip
+    parser.add_argument("--merge", default=None, help="add this acceptance.json (another call's parts) to --record")
     parser.add_argument("--score", default=None, help=argparse.SUPPRESS)  # internal: pipeline() scores
     args = parser.parse_args()
     if args.score:
@@ -726,28 +801,27 @@ def main() -> int:
     parts = [p for p in PARTS if p in args.parts.split(",")]
     if unknown := set(args.parts.split(",")) - set(PARTS):
         parser.error(f"unknown part {sorted(unknown)[0]}: use {', '.join(PARTS)}")
+    if (args.merge or args.redraw) and not args.record:
+        parser.error("--merge and --redraw need --record")
+    if args.merge:
+        merge(Path(args.record), Path(args.merge))
+        return 0
+    if args.redraw:  # the recorded runs' plan, drawn from the outputs in --work
+        runs = _json(Path(args.record) / "acceptance.json")["runs"]
+        suite = Suite(args, runs[0]["gpus"])
+        suite.plan([p for r in runs for p in r["parts"]])
+        chart(suite, Path(args.record))
+        render(Path(args.record), runs)
+        return 0
     import torch
 
-    old = _json(Path(args.record) / "acceptance.json").get("runs", []) if args.recheck and args.record else []
-    ran_before = next((r for r in old if set(r["parts"]) == set(parts)), None)
-    if args.recheck and not ran_before:
-        parser.error(f"--recheck: no run of parts {','.join(parts)} in {args.record}/acceptance.json")
-    gpus = ran_before["gpus"] if ran_before else 2 if args.cpu else torch.cuda.device_count()
+    gpus = 2 if args.cpu else torch.cuda.device_count()
     if gpus == 0:
         parser.error("no GPU visible: this suite proves GPU behaviour (`--cpu` checks the suite itself)")
-    device = ran_before["device"] if ran_before else "CPU" if args.cpu else torch.cuda.get_device_name(0)
-    device = device.replace("NVIDIA ", "")
-    card = device.split()[0]
-    record = Path(args.record or ROOT / "benchmarks/results" / f"{datetime.date.today()}_acceptance_{gpus}x{card}")
+    device = "CPU" if args.cpu else torch.cuda.get_device_name(0).replace("NVIDIA ", "")
+    record = Path(args.record or ROOT / "benchmarks/results" / f"{datetime.date.today()}_acceptance_{gpus}x"
+                  f"{device.split()[0]}")  # fmt: skip
     suite = Suite(args, gpus)
-    start = suite.t0
-    if ran_before:  # the same plan, the results recorded then, the outputs in --work
-        suite.plan(parts, set(args.only.split(",")) if args.only else None)
-        for name, job in suite.jobs.items():
-            job.result = ran_before["jobs"].get(name, {"exit": "not run", "reason": "not in the record"})
-        rows = [r for r in check(suite) if r["part"] in parts]
-        write_record(record, suite, parts, rows, device, ran_before["wall_s"], before=ran_before)
-        return 1 if any(r["status"] == "FAIL" for r in rows) else 0
     suite.work.mkdir(parents=True, exist_ok=True)
     for stale in [p for p in suite.work.iterdir() if p.name != "assets"]:  # assets are kept: they take a while
         shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
@@ -758,7 +832,9 @@ def main() -> int:
     suite.log(f"{len(suite.jobs)} jobs: {', '.join(suite.jobs)}")
     suite.run()
     rows = [r for r in check(suite) if r["part"] in parts]
-    write_record(record, suite, parts, rows, device, time.time() - start)
+    record.mkdir(parents=True, exist_ok=True)
+    chart(suite, record)
+    write_record(record, suite, parts, rows, device, time.time() - suite.t0)
     failed = [r for r in rows if r["status"] == "FAIL"]
     for r in rows:
         print(f"{r['status']:4}  {r['check']}: {r['detail']}")

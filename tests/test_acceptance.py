@@ -1,0 +1,117 @@
+"""benchmarks/acceptance.py (make test-gpu): its plan on 1, 2, 4 and 8 GPUs, and that its checks fail when a run is
+wrong. The suite itself runs on GPUs; `--cpu` runs it on CPU processes (not here: minutes)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import ROOT
+
+
+@pytest.fixture
+def acceptance(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("acceptance")
+
+
+def suite_for(acceptance, gpus: int, tmp_path: Path, parts=None):
+    args = SimpleNamespace(work=str(tmp_path), cpu=False, per_gpu=4, budget=None)
+    suite = acceptance.Suite(args, gpus)
+    suite.plan(list(parts or acceptance.PARTS))
+    return suite
+
+
+def command(suite, name: str) -> str:
+    return " ".join(a for a in suite.jobs[name].argv if a not in ("--master_port", "--main_process_port", "{port}"))
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_the_plan_runs_the_readme_commands_on_every_gpu(acceptance, tmp_path, gpus):
+    suite = suite_for(acceptance, gpus, tmp_path)
+    # The README's two commands, as typed (the DeepSpeed launcher takes every GPU when not told otherwise)
+    zero2 = command(suite, "zero2")
+    assert "run_image_classification.py --deepspeed ds_configs/zero2.json --config " in zero2
+    assert "--num_gpus" not in zero2 and f"--per_device_train_batch_size {64 // gpus}" in zero2
+    vith = command(suite, "vith")
+    assert (
+        f"launch --config_file accelerate_configs/zero3.yaml --num_processes {gpus} run_image_classification" in vith
+    )
+    assert "--config recipes/vit-huge/cifar100/config_full.yaml" in vith and suite.jobs["vith"].gpus == gpus
+    # Without --num_processes: the one-line refusal below the shipped 8, nothing to refuse at 8
+    assert ("vith-as-typed" in suite.jobs) == (gpus < 8)
+    # Killed runs resume by the same command in the same folder
+    for s in acceptance.KILLED:
+        killed, resumed = suite.jobs[f"kill-{s}"], suite.jobs[f"resume-{s}"]
+        assert killed.argv == resumed.argv and resumed.needs == (killed.name, s)
+        assert killed.kill_when == killed.output / "checkpoint-10" / "run_identity.json"
+    # Another GPU count needs two; one-GPU jobs through the strategy's own launcher
+    assert any(n.startswith("to1-") for n in suite.jobs) == (gpus > 1)
+    if gpus > 1:
+        assert "deepspeed --master_port" in " ".join(suite.jobs["to1-zero2"].argv)
+        assert "--num_gpus 1" in command(suite, "to1-zero2") and suite.jobs["to1-zero2"].gpus == 1
+        assert suite.jobs["from1-fsdp2"].seed_from == tmp_path / "one-fsdp2"
+    # Numerics runs train eagerly; the default command keeps the GPU default (regional compilation)
+    assert "--torch_compile_regions false" in command(suite, "fsdp2")
+    assert "--torch_compile_regions" not in command(suite, "default")
+    assert command(suite, "default").split()[1] == "run_image_classification.py"
+
+
+def test_a_part_brings_the_runs_it_needs_and_no_more(acceptance, tmp_path):
+    suite = suite_for(acceptance, 2, tmp_path, parts=["kill"])
+    assert set(suite.jobs) == {"ddp", "zero2", "zero3", "fsdp2"} | {
+        f"{k}-{s}" for k in ("kill", "resume") for s in acceptance.KILLED
+    }
+
+
+def fake_run(out: Path, losses: dict[int, float], accuracy=0.4):
+    out.mkdir(parents=True, exist_ok=True)
+    history = [{"step": s, "loss": v} for s, v in losses.items()]
+    (out / "trainer_state.json").write_text(json.dumps({"global_step": max(losses), "log_history": history}))
+    (out / "all_results.json").write_text(json.dumps({"test_accuracy": accuracy}))
+
+
+def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong_score(acceptance, tmp_path):
+    suite = suite_for(acceptance, 2, tmp_path, parts=["strategies", "kill", "resume"])
+    base = {s: 4.0 - 0.05 * s for s in range(1, 31)}
+    for name, job in suite.jobs.items():
+        job.result = {"exit": 0, "command": name}
+        if job.output is not None:
+            fake_run(job.output, base)
+    fake_run(tmp_path / "to1-zero2", {s: v * (1.05 if s > 20 else 1) for s, v in base.items()})  # drifts 5%
+    suite.jobs["kill-ddp"].result = {"exit": 0}  # finished before the kill
+    (tmp_path / "scores").mkdir()
+    for s in acceptance.STRATEGY_RUNS:
+        (tmp_path / "scores" / f"{s}.json").write_text(json.dumps({"accuracy": 0.4, "images": 1000}))
+    (tmp_path / "scores" / "zero1.json").write_text(json.dumps({"accuracy": 0.39, "images": 1000}))  # 1 point off
+    rows = {r["check"]: r for r in acceptance.check(suite)}
+    failed = {name for name, r in rows.items() if r["status"] == "FAIL"}
+    assert "zero2: resumed 2 -> 1, steps 11-30 within 3% of the uninterrupted run" in failed
+    assert "zero2: resumed 1 -> 2, steps 11-30 within 3% of the uninterrupted run" not in failed
+    assert "ddp: killed (SIGKILL) after a complete checkpoint" in failed
+    assert any(n.startswith("zero1: pipeline()") for n in failed) and not any(
+        n.startswith("zero2: pipeline()") for n in failed
+    )
+    assert rows["zero3: 2 -> 1 refused in one line"]["status"] == "FAIL"  # it "succeeded": no refusal line
+    assert "zero3: loss at step 30 within 3% of DDP's" not in failed
+
+
+def test_two_calls_make_one_record(acceptance, tmp_path):
+    def run(parts, status):
+        checks = [{"part": parts[0], "check": f"{parts[0]} works", "status": status, "detail": "", "command": "x"}]
+        return {"parts": parts, "device": "H100", "gpus": 2, "date": "d", "commit": "c", "command": "c",
+                "versions": {"torch": "2"}, "wall_s": 1, "checks": checks, "jobs": {}}  # fmt: skip
+
+    record = tmp_path / "record"
+    record.mkdir()
+    acceptance.render(record, [run(["strategies", "kill"], "FAIL")])
+    (tmp_path / "second.json").write_text(json.dumps({"runs": [run(["single", "vith"], "PASS")]}))
+    acceptance.merge(record, tmp_path / "second.json")
+    text = (record / "acceptance.md").read_text()
+    assert "**1 of 2 checks pass or skip; 1 fail.**" in text and text.index("## strategies") < text.index("## single")
+    (tmp_path / "again.json").write_text(json.dumps({"runs": [run(["strategies", "kill", "resume"], "PASS")]}))
+    acceptance.merge(record, tmp_path / "again.json")  # a rerun of those parts replaces them
+    assert "**2 of 2 checks pass or skip; 0 fail.**" in (record / "acceptance.md").read_text()
