@@ -18,7 +18,7 @@ DEMO_OUT ?= outputs/digits-vit
 .installed-test: .installed
 	$(PIP) install -e ".[dev,demo,fp8]"
 # DeepSpeed without prebuilt ops and without build isolation: an isolated build would fetch a CUDA torch.
-	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.19.8,<1"
+	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed>=0.19.8,<0.20"
 # CPU-only machines: compile DeepSpeed's shared-memory collective now, not in the first test (no-op on GPUs).
 	$(PYTHON) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	@touch .installed-test
@@ -31,6 +31,8 @@ demo: .installed
 		--dataset_name $(DEMO_DIR) --output_dir $(DEMO_OUT) --overwrite_output_dir
 
 test: .installed-test
+	@$(PYTHON) -c "from importlib.metadata import version as v; print('resolved:', ', '.join(f'{p} {v(p)}' for p in \
+		('torch transformers datasets accelerate peft evaluate huggingface_hub deepspeed safetensors pillow numpy pyarrow'.split())))"
 	$(PYTHON) -m pytest tests -q
 
 # The GPU acceptance suite (docs/development.md): every strategy, checkpoint path and one-GPU feature on this

@@ -81,6 +81,42 @@ def test_hub_error_message_offline(err):
     assert "outputs/vit-cifar100" in message and "offline" in message and "make demo" in message
 
 
+def transport_error(name: str, message: str):
+    """An error of huggingface_hub's own HTTP transport (httpx for 1.x, httpx2 for 2.x), as it raises them."""
+    import importlib
+
+    import huggingface_hub.errors
+
+    return getattr(importlib.import_module(huggingface_hub.errors.HTTPError.__module__), name)(message)
+
+
+def test_a_transport_failure_is_a_network_error_whatever_the_hub_version_and_an_answer_is_not():
+    import importlib
+
+    import huggingface_hub.errors
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from vit_recipes.hub import is_network_error
+
+    assert is_network_error(transport_error("ConnectError", "[Errno -2] Name or service not known"))
+    assert is_network_error(transport_error("ReadTimeout", "timed out"))
+    http = importlib.import_module(huggingface_hub.errors.HTTPError.__module__)
+    answer = http.Response(500, request=http.Request("GET", "https://huggingface.co/api/datasets/x"))
+    assert not is_network_error(HfHubHTTPError("500 Server Error", response=answer))
+    assert not is_network_error(ValueError("x"))
+
+
+def test_a_missing_local_folder_is_said_first_with_what_builds_it(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("vit_recipes.hub.offline_env", lambda: False)
+    err = transport_error("ConnectError", "[Errno -2] Name or service not known")
+    message = hub_error_message(err, "download the dataset 'data/digits'", missing="data/digits")
+    assert message.startswith("no local folder 'data/digits' in ") and "ConnectError" in message
+    assert message.endswith("build it with `python tools/demo_data.py data/digits` or check the network")
+    other = hub_error_message(err, "download the dataset 'me/pets'", missing="me/pets")
+    assert other.startswith("no local folder 'me/pets'") and "pass the path of an existing folder" in other
+
+
 def test_hub_error_message_wrapped_by_transformers():
     try:
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .data import resolve_source
 from .errors import RecipeError
-from .hub import check_push_ready, hub_error_message, offline_env, written_as_path
+from .hub import LOCAL_BUILDERS, check_push_ready, hub_error_message, offline_env, written_as_path
 from .launch import is_true, visible_gpus
 from .memory import host_memory_for, model_size_from_args
 from .run_dir import WRITE_PROBE
@@ -332,6 +332,13 @@ def _hub_id(name: str | None) -> bool:
     return bool(name) and not written_as_path(name) and not Path(name).expanduser().exists()
 
 
+def _as_path(name: str) -> str | None:
+    """`name` when an `owner/name` is more likely a local folder that is missing: one this repo builds
+    (data/digits in a fresh clone), or one whose parent folder exists here. Else None: a Hub id."""
+    local = name.rstrip("/") in LOCAL_BUILDERS or (name.count("/") == 1 and Path(name).parent.is_dir())
+    return name if local else None
+
+
 def check_hub(args) -> None:
     """Before any data or model: pushing is possible, and a model or dataset that must come from the Hub can (one
     line now, instead of a failure after the data was loaded and decoded)."""
@@ -353,7 +360,11 @@ def check_hub(args) -> None:
                     f"model '{model.model_name_or_path}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: "
                     "pass a local checkpoint folder (--model_name_or_path ./checkpoint) or unset HF_HUB_OFFLINE"
                 ) from None
-            raise RecipeError(hub_error_message(err, f"download the model '{model.model_name_or_path}'")) from None
+            raise RecipeError(
+                hub_error_message(
+                    err, f"download the model '{model.model_name_or_path}'", missing=_as_path(model.model_name_or_path)
+                )
+            ) from None
     cached_only = offline_env() or is_true(os.environ.get("HF_DATASETS_OFFLINE"))  # datasets then reads its cache
     if _hub_id(dataset) and not cached_only:
         try:
@@ -361,4 +372,6 @@ def check_hub(args) -> None:
         except RepositoryNotFoundError:  # data.load_any names it with the offline hint
             pass
         except Exception as err:
-            raise RecipeError(hub_error_message(err, f"download the dataset '{dataset}'")) from None
+            raise RecipeError(
+                hub_error_message(err, f"download the dataset '{dataset}'", missing=_as_path(dataset))
+            ) from None

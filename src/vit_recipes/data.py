@@ -20,7 +20,7 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Value
 
 from .errors import RecipeError, first_line
-from .hub import written_as_path
+from .hub import LOCAL_BUILDERS, written_as_path
 from .images import IMAGE_EXTENSIONS, decode_to_chw, probe, white_level
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,14 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
     except datasets.exceptions.DatasetNotFoundError:
         raise RecipeError(f"dataset '{name}' is neither a local path nor a dataset on the Hub ({HUB_HINT})") from None
     except Exception as err:  # network failures come in many types (httpx, requests, OSError, offline mode)
-        raise RecipeError(
-            f"could not load '{name}' from the Hugging Face Hub ({first_line(err)}); {HUB_HINT}"
-        ) from None
+        builder = LOCAL_BUILDERS.get(name.rstrip("/"))  # a folder this repo builds: say it is missing, and how
+        what = (
+            f"no local folder '{name}' in {os.getcwd()}, and could not load it"
+            if builder
+            else f"could not load '{name}'"
+        )
+        fix = f"build it with `{builder}`" if builder else HUB_HINT
+        raise RecipeError(f"{what} from the Hugging Face Hub ({first_line(err)}); {fix}") from None
 
 
 def find_column(features: datasets.Features, requested: str | None, preset: str | None, kind: str) -> str:

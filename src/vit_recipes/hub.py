@@ -10,6 +10,7 @@ import huggingface_hub
 import huggingface_hub.constants  # a submodule the package does not load lazily
 from huggingface_hub.errors import (
     GatedRepoError,
+    HfHubHTTPError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
     RepositoryNotFoundError,
@@ -21,6 +22,8 @@ OFFLINE_HINT = (
     "to work offline pass local paths (--model_name_or_path ./checkpoint --dataset_name ./images) with "
     "HF_HUB_OFFLINE=1, or try `make demo`, which needs no network"
 )
+# Local folders this repo's own commands build (a fresh clone has none of them yet).
+LOCAL_BUILDERS = {"data/digits": "python tools/demo_data.py data/digits"}
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{20,}")
 _NETWORK_WORDS = ("offline", "couldn't connect", "could not connect", "name resolution", "connection", "timed out")
 
@@ -60,29 +63,42 @@ def check_push_ready(training_args) -> None:
 
 def _network_error_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [OfflineModeIsEnabled, LocalEntryNotFoundError, ConnectionError, TimeoutError]
-    with contextlib.suppress(ImportError):  # huggingface_hub >= 1.0 talks through httpx
-        import httpx
-
-        types.append(httpx.TransportError)
-    with contextlib.suppress(ImportError):  # older huggingface_hub (and some datasets paths) use requests
+    with contextlib.suppress(ImportError):  # datasets and older paths still talk through requests
         import requests
 
         types += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
     return tuple(types)
 
 
-def hub_error_message(err: Exception, what: str, local_path: str | None = None) -> str:
-    """One line for a failed Hub call (push or download); `local_path` names where the run's files are."""
+def is_network_error(err: BaseException) -> bool:
+    """No answer from the Hub: huggingface_hub's offline errors, or its transport's HTTPError (httpx in 1.x, httpx2
+    in 2.x; huggingface_hub.errors names it) that carries no response. HfHubHTTPError is an answer (a status)."""
+    transport = getattr(huggingface_hub.errors, "HTTPError", None)
+    if isinstance(err, _network_error_types()):
+        return True
+    return bool(transport and isinstance(err, transport) and not isinstance(err, HfHubHTTPError))
+
+
+def hub_error_message(err: Exception, what: str, local_path: str | None = None, missing: str | None = None) -> str:
+    """One line for a failed Hub call (push or download); `local_path` names where the run's files are; `missing`, a
+    name that could also be a local folder but is not one here (`data/digits`): said first."""
     chain = [err]  # and what it wraps: transformers re-raises Hub errors as OSError `from` the original
     while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and all(inner is not e for e in chain):
         chain.append(inner)
-    network = _network_error_types()
     offline = offline_env() or any(
-        isinstance(e, network) or any(word in str(e).lower() for word in _NETWORK_WORDS) for e in chain
+        is_network_error(e) or any(word in str(e).lower() for word in _NETWORK_WORDS) for e in chain
     )
     cause = f"{type(err).__name__}: {first_line(err, 200)}"
     files = f"the run's files are in {local_path}; " if local_path else ""
-    if offline:
+    if offline and missing:
+        builder = LOCAL_BUILDERS.get(missing.rstrip("/"))
+        message = (
+            f"no local folder '{missing}' in {os.getcwd()}, and the Hugging Face Hub could not be reached to "
+            f"{what} as a Hub id ({cause}): "
+            + (f"build it with `{builder}`" if builder else "pass the path of an existing folder")
+            + " or check the network"
+        )
+    elif offline:
         message = f"could not reach the Hugging Face Hub to {what}: {cause}; {files}{OFFLINE_HINT}"
     else:
         status = next((s for e in chain if (s := getattr(getattr(e, "response", None), "status_code", None))), None)
