@@ -62,7 +62,11 @@ def rank_report(trainer, precision: str) -> dict[str, Any]:
         "zero_stage": None,
         "offload_optimizer": False,
         "offload_param": False,
-        "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "gradient_checkpointing": bool(  # transformers 5.24 renamed it (the old name warns)
+            model.is_activation_checkpointing
+            if hasattr(model, "is_activation_checkpointing")
+            else getattr(model, "is_gradient_checkpointing", False)
+        ),
         "fsdp_activation_checkpointing": any(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules()),
         "precision": precision,
         "param_dtype": None,
