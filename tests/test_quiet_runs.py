@@ -31,3 +31,23 @@ def test_the_demo_recipe_prints_no_warning(digits_dir, tiny_vit, tmp_path, lora)
     lines = [x for x in (result.stdout + result.stderr).splitlines() if "it/s]" not in x and "s/it]" not in x]
     assert [x for x in lines if NOISE.search(x)] == []
     assert any(x.startswith("test_accuracy: ") for x in lines)  # it ran to the end and said so
+    if lora:
+        return
+    # Predicting alone from the trained folder: no warning, no training line, no plots
+    from datasets import load_dataset
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, row in enumerate(load_dataset(str(digits_dir), split="test").select(range(3))):
+        row["image"].save(images / f"{i}.png")
+    result = subprocess.run(
+        [sys.executable, "run_image_classification.py", "--model_name_or_path", str(tmp_path / "out"),
+         "--do_predict", "true", "--predict_images", str(images), "--output_dir", str(tmp_path / "predicted"),
+         "--use_cpu", "true", "--report_to", "none"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [x for x in (result.stdout + result.stderr).splitlines() if "it/s]" not in x and "s/it]" not in x]
+    assert [x for x in lines if NOISE.search(x)] == []
+    assert "trainable params" not in result.stdout and "writing plots" not in result.stdout + result.stderr
+    assert any(x.startswith("Model: ") and "not trained in this run" in x for x in lines)

@@ -181,7 +181,7 @@ class ObservabilityArguments:
     profile_memory: bool = _arg(False, "Profiler: also record tensor allocations (bigger traces).")
     profile_record_shapes: bool = _arg(False, "Profiler: record operator input shapes.")
     profile_with_stack: bool = _arg(False, "Profiler: record Python stacks (much bigger traces).")
-    plots: bool = _arg(True, "Write loss/learning-rate/metric PNG plots after the run.")
+    plots: bool = _arg(True, "Loss, learning-rate and metric PNG plots after the run (--no_plots: none).")
 
     def __post_init__(self):
         if str(self.profile_steps).strip().lower() in ("", "none", "null"):  # None too

@@ -161,7 +161,10 @@ def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, tra
             "lora_dropout": config.lora_dropout,
             "lora_target_modules": targets if isinstance(targets, str) else ", ".join(sorted(targets)),
         }
-    if getattr(training_args, "should_log", True):  # the main process; printed, as the script's summary is
+    if not getattr(training_args, "do_train", True):  # evaluating or predicting: nothing is trained
+        if getattr(training_args, "should_log", True):
+            print(f"Model: {counts['train_total_params']:,} parameters (not trained in this run)", flush=True)
+    elif getattr(training_args, "should_log", True):  # the main process; printed, as the script's summary is
         print(
             f"{what}: trainable params {counts['train_trainable_params']:,} of {counts['train_total_params']:,} "
             f"({counts['train_trainable_percent']:.2f}%){detail}",

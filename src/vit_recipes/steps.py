@@ -194,7 +194,7 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, p
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
         names, threshold = splits.label_names, trainer.threshold
         reports = write_reports(logits, output.label_ids, names, output_dir, split, threshold=threshold)
-    if plots:
+    if plots and trainer.state.log_history:  # a predict-only run has nothing to plot
         write_plots(trainer.state.log_history, output_dir, trainer.args.label_smoothing_factor)
     return reports
 
