@@ -129,3 +129,29 @@ def test_bad_numbers_are_one_line(tmp_path, capsys):
     ViTConfig(**CONFIG).save_pretrained(tmp_path)
     assert advise.main(["--model", str(tmp_path), "--gpus", "3", "--nodes", "2"]) == 2
     assert capsys.readouterr().err.startswith("error: --gpus 3 must be a positive multiple of --nodes 2")
+
+
+def test_an_unreachable_hub_id_is_one_line_without_the_downloads_retries(monkeypatch):
+    """Offline, the config download retried with backoff (about 25 s) before its error; one API call says it now."""
+    import importlib
+
+    import huggingface_hub
+    import transformers
+
+    from vit_recipes import memory
+    from vit_recipes.errors import RecipeError
+
+    http = importlib.import_module(huggingface_hub.errors.HTTPError.__module__)  # httpx (hub 1.x) or httpx2 (2.x)
+
+    def unreachable(self, *args, **kwargs):
+        raise http.ConnectError("[Errno -2] Name or service not known")
+
+    def download(*args, **kwargs):
+        raise AssertionError("the retrying download must not start")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(memory, "offline_env", lambda: False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", download)
+    with pytest.raises(RecipeError, match="^could not reach the Hugging Face Hub to download the config of 'org/vit'"):
+        memory.load_config("org/vit")
