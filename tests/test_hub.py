@@ -157,6 +157,8 @@ def card_info(**overrides) -> CardInfo:
         per_class_markdown=PER_CLASS,
         confusion_matrix_file="confusion_matrix_test.png",
         extra_tags=["cifar100"],
+        license="mit",
+        source="https://github.com/me/vit-recipes at commit 0123abc",
     )
     values.update(overrides)
     return CardInfo(**values)
@@ -168,21 +170,27 @@ def test_model_card_round_trip(tmp_path):
     data = card.data
     assert data.base_model == "google/vit-base-patch16-224-in21k"
     assert data.datasets == ["uoft-cs/cifar100"]
-    assert data.license == "apache-2.0" and data.pipeline_tag == "image-classification"
+    assert data.license == "mit" and data.pipeline_tag == "image-classification"
     assert data.library_name == "transformers"
     assert {"image-classification", "vision", "vit", "zero3", "cifar100"} <= set(data.tags)
     assert {"accuracy", "f1"} <= set(data.metrics)
 
-    results = {r.metric_type: r for r in data.eval_results}
-    assert results["accuracy"].metric_value == 0.9012
-    assert results["top_5_accuracy"].metric_value == 0.985
-    assert results["f1"].metric_value == 0.8975
+    results = {r.metric_name: r for r in data.eval_results}
+    assert results["Accuracy"].metric_value == 0.9012
+    top5 = next(r for r in data.eval_results if r.metric_name == "Top-5 accuracy")  # evaluate's id, with its k
+    assert top5.metric_type == "accuracy" and top5.metric_args == {"top_k": 5} and top5.metric_value == 0.985
+    assert set(data.metrics) <= {"accuracy", "f1", "precision", "recall"}  # metric ids the Hub knows (evaluate's)
+    assert results["F1 (macro)"].metric_value == 0.8975
     for result in data.eval_results:
         assert result.dataset_split == "test" and result.dataset_type == "uoft-cs/cifar100"
         assert result.task_type == "image-classification"
     assert metadata_load(path)["model-index"][0]["name"] == "me/vit-base-cifar100"
 
     body = card.text
+    assert (
+        "## Reproduce\n\nFrom https://github.com/me/vit-recipes at commit 0123abc:\n\n```bash\naccelerate launch"
+        in body
+    )
     assert "accelerate launch run_image_classification.py --config recipes/cifar100.yaml" in body
     assert PER_CLASS in body and "![Confusion matrix](confusion_matrix_test.png)" in body
     assert "```yaml\ndataset_name: cifar100" in body and "1,234.5 images/s" in body
@@ -197,6 +205,7 @@ def test_model_card_history_versions_limitations_and_a_placeholder_repo(tmp_path
         {"eval_loss": 1.25, "eval_accuracy": 0.75, "eval_runtime": 2.0, "step": 20, "epoch": 2.0},
     ]
     info = card_info(
+        model_name="out",
         repo_id="<user>/out",
         eval_history=history,
         versions={"transformers": "5.0.0", "torch": "2.13.0"},
@@ -204,7 +213,7 @@ def test_model_card_history_versions_limitations_and_a_placeholder_repo(tmp_path
     )
     path = write_model_card(info, str(tmp_path))
     body = ModelCard.load(path).text
-    assert metadata_load(path)["model-index"][0]["name"] == "<user>/out"
+    assert metadata_load(path)["model-index"][0]["name"] == "out"  # no placeholder in the metadata
     assert 'model="<user>/out"' in body and "replace `<user>/out` with the repo you push it to" in body
     assert "## Evaluation during training\n\n| Epoch | Step | Validation loss | Accuracy |" in body
     assert "| 1.00 | 10 | 1.5000 | 0.6000 |\n| 2.00 | 20 | 1.2500 | 0.7500 |" in body  # eval entries only, in order
@@ -215,7 +224,7 @@ def test_model_card_history_versions_limitations_and_a_placeholder_repo(tmp_path
 def test_model_card_without_test_split_reports_validation(tmp_path):
     card = build_model_card(card_info(test_metrics={}))
     assert {r.dataset_split for r in card.data.eval_results} == {"validation"}
-    assert {r.metric_type: r.metric_value for r in card.data.eval_results}["accuracy"] == 0.91
+    assert {r.metric_name: r.metric_value for r in card.data.eval_results}["Accuracy"] == 0.91
     assert "no test split" in card.text.lower()
 
 
@@ -306,3 +315,21 @@ def test_the_cards_reproduce_command_is_the_launch_as_typed():
     assert reproduce_command(strategy("ddp", 2), args).startswith(
         "accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 "
     )
+
+
+def test_the_cards_licence_is_the_base_models_and_its_source_is_the_checkout(tmp_path):
+    import re
+
+    from conftest import ROOT
+
+    from vit_recipes import card
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: mit\n---\n# A base model\n")
+    assert card._license_of(str(base), None, "main") == "mit"
+    assert card._license_of(str(tmp_path / "no-card"), None, "main") is None
+    assert card._license_of("org/never-downloaded", str(tmp_path / "cache"), "main") is None  # the cache only
+    if (ROOT / ".git").exists():  # a clone, as in CI: the commit that ran, and never credentials
+        source = card._source()
+        assert re.search(r" at commit [0-9a-f]{40}", source) and "@" not in source.split(" at commit")[0]

@@ -50,6 +50,11 @@ class ModelArguments:
     )
     image_processor_name: str | None = _arg(None, "Image processor to take mean/std from (default: the model's).")
     model_revision: str = _arg("main", "Branch, tag or commit of the checkpoint.")
+    license: str | None = _arg(
+        None,
+        "The model card's licence, a Hub licence id (apache-2.0, mit, cc-by-4.0, ...). Default: the base model's when "
+        "its card is local or cached, else the card claims none.",
+    )
     cache_dir: str | None = _arg(None, "Where to cache Hub downloads.")
     attn_implementation: str = _arg("sdpa", "Attention kernel: 'sdpa' (fused, default) or 'eager'.")
     patch_embedding_matmul: bool = _arg(

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shlex
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,8 @@ class CardInfo:
     multi_label: bool = False  # any number of labels per image (sigmoid scores), not one class
     imbalance: tuple[int, int] | None = None  # (fewest, most) train images per class, when imbalanced (data.imbalance)
     worst_recall: list[tuple[str, float]] = field(default_factory=list)  # the weakest classes, lowest recall first
+    license: str | None = None  # a Hub licence id; None: the card claims none
+    source: str | None = None  # the code that ran: repository URL and commit, when run from a git checkout
 
 
 def _metric_spec(key: str) -> dict | None:
@@ -63,8 +66,8 @@ def _metric_spec(key: str) -> dict | None:
     if key == "subset_accuracy":
         name = "Subset accuracy (exact match)"
         return {"metric_type": "accuracy", "metric_name": name, "metric_args": {"subset": True}}
-    if m := re.fullmatch(r"top_?(\d+)_?accuracy", key):
-        return {"metric_type": f"top_{m[1]}_accuracy", "metric_name": f"Top-{m[1]} accuracy"}
+    if m := re.fullmatch(r"top_?(\d+)_?accuracy", key):  # the Hub's metric ids are evaluate's: accuracy, with its k
+        return {"metric_type": "accuracy", "metric_name": f"Top-{m[1]} accuracy", "metric_args": {"top_k": int(m[1])}}
     if m := re.fullmatch(r"(f1|precision|recall)(?:_(macro|micro|weighted))?", key):
         average = m[2] or "macro"
         name = f"{m[1].capitalize()} ({average})"
@@ -166,7 +169,8 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
         parts.append("## Evaluation during training\n\n" + _table(("Epoch", "Step", *keys), table))
     if info.data_notes:
         parts.append("## Data\n\nWhat this run did to the dataset:\n\n" + "\n".join(f"- {n}" for n in info.data_notes))
-    parts.append(f"## Reproduce\n\n```bash\n{info.command}\n```")
+    code = f"From {info.source}:\n\n" if info.source else ""
+    parts.append(f"## Reproduce\n\n{code}```bash\n{info.command}\n```")
     if info.recipe or info.recipe_text:
         parts.append(f"## Recipe\n\n`{info.recipe}`" if info.recipe else "## Recipe")
     if info.recipe_text:
@@ -227,16 +231,19 @@ def build_model_card(info: CardInfo) -> ModelCard:
     if info.library_name == "peft" and not info.base_model:
         logger.warning("PEFT model card without a Hub base_model: the Hub will not link the adapter to its base")
     multi = ["multi-label-classification"] if info.multi_label else []
-    tags = list(dict.fromkeys(["image-classification", *multi, "vision", "vit", info.strategy, *info.extra_tags]))
+    strategy = info.strategy if info.strategy != "single" else None  # one device is no strategy to tag
+    tags = list(dict.fromkeys(["image-classification", *multi, "vision", "vit", strategy, *info.extra_tags]))
+    # model-index needs a name: the repo when pushing, else the output folder's name (never a placeholder)
+    name = info.model_name if info.repo_id.startswith("<user>/") else info.repo_id
     data = ModelCardData(
         library_name=info.library_name,
-        license="apache-2.0",
+        license=info.license,
         pipeline_tag="image-classification",
         base_model=info.base_model or None,
         datasets=[info.dataset_id] if info.dataset_is_hub else None,
         metrics=list(dict.fromkeys(r.metric_type for r in eval_results)) or None,
         tags=[t for t in tags if t],
-        model_name=info.repo_id if eval_results else None,
+        model_name=name if eval_results else None,
         eval_results=eval_results or None,
     )
     # Redact the whole text (YAML included): the command line and recipe can carry a token.
@@ -306,6 +313,44 @@ def _limitations(splits, dataset: str, evaluated: str | None) -> list[str]:
     return lines
 
 
+def _license_of(model: str | None, cache_dir: str | None, revision: str) -> str | None:
+    """The base model's licence from its card: a local folder's README.md, or the Hub's when cached (no download)."""
+    import huggingface_hub
+
+    if not model:
+        return None
+    local = Path(model).expanduser() / "README.md"
+    with contextlib.suppress(Exception):  # no card, no cache, unreadable metadata: no licence claimed
+        path = (
+            local
+            if local.is_file()
+            else huggingface_hub.try_to_load_from_cache(model, "README.md", cache_dir, revision)
+        )
+        if isinstance(path, (str, Path)) and Path(path).is_file():
+            return ModelCard.load(path).data.license
+    return None
+
+
+def _source() -> str | None:
+    """Where the code came from: `<remote URL> at commit <sha>` when the script runs from a git checkout."""
+    root = Path(__file__).resolve().parents[2]  # src/vit_recipes/card.py -> the repository
+    if not (root / ".git").exists():
+        return None
+
+    def git(*cmd: str) -> str:
+        done = subprocess.run(["git", "-C", str(root), *cmd], capture_output=True, text=True, timeout=10)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    with contextlib.suppress(Exception):  # no git installed, a broken checkout: no source line
+        commit = git("rev-parse", "HEAD")
+        if not commit:
+            return None
+        url = re.sub(r"//[^/@]+@", "//", git("remote", "get-url", "origin"))  # no credentials in a card
+        dirty = " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+        return f"{url or 'a local checkout'} at commit {commit}{dirty}"
+    return None
+
+
 def card_info(args, plan, argv, splits, results, reports, finetune, images_per_second, history=()) -> CardInfo:
     model_source = args.model.model_name_or_path
     is_hub = lambda name: bool(name) and not os.path.exists(os.path.expanduser(name))  # noqa: E731
@@ -333,6 +378,7 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "seed": training.seed,
     }
     repo_id = training.hub_model_id or f"<user>/{os.path.basename(os.path.abspath(training.output_dir))}"
+    licence = args.model.license or _license_of(model_source, args.model.cache_dir, args.model.model_revision)
     dataset_name = dataset_id if is_hub(dataset_id) else os.path.basename(os.path.abspath(dataset_id))
     prefixes = {"test": "test_", "validation": "eval_"}
     evaluated = next((split for split, p in prefixes.items() if any(k.startswith(p) for k in results)), None)
@@ -361,6 +407,8 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         eval_history=[e for e in history if "eval_loss" in e],
         versions=_versions(plan.strategy, args.lora.method != "full"),
         limitations=_limitations(splits, dataset_name, evaluated),
+        license=licence,
+        source=_source(),
         # hyperparameters, the method's included; LoRA adapters: library peft, tags
         **finetune.card_fields({k: v for k, v in hyperparameters.items() if v is not None}),
     )
