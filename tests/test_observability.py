@@ -214,8 +214,71 @@ def test_plots_say_when_train_loss_is_smoothed_and_draw_amounts_from_zero(tmp_pa
     curves, _, throughput = figures
     loss = curves.axes[0]
     labels = [line.get_label() for line in loss.get_lines()]
-    assert labels == ["train loss, label smoothing 0.1", "validation loss (no smoothing)"]
+    assert labels == ["train, label smoothing 0.1", "validation (no smoothing)"]
     assert loss.get_lines()[0].get_marker() == "o"  # two points only: each drawn
     memory = throughput.axes[-1]
-    assert memory.get_title() == "gpu_mem_allocated_gib per rank" and memory.get_ylim()[0] == 0  # not a 0.55 cliff
+    assert memory.get_title() == "GPU memory allocated per rank" and memory.get_ylim()[0] == 0  # not a 0.55 cliff
     assert all(ax.get_ylim()[0] == 0 for ax in throughput.axes)
+
+
+def test_every_plot_reads_at_a_glance(tmp_path, monkeypatch):
+    """Titles in words, both axes labelled (with units), zero-based y axes, no point on the frame, legends outside."""
+    from vit_recipes import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    train = [
+        {
+            "step": s,
+            "loss": 2 - s / 100,
+            "learning_rate": 1e-3,
+            "grad_norm": 1.0 + s / 100,
+            "images_per_second": 900.0,
+            "step_time_s": 0.1,
+            "data_wait_fraction": 0.01,
+            "mfu": 0.3,
+            "cpu_peak_rss_gib_rank0": 3.0,
+            "cpu_peak_rss_gib_rank1": 3.1,
+        }  # fmt: skip
+        for s in range(10, 110, 10)
+    ]
+    evals = [{"step": s, "eval_loss": 1.0, "eval_accuracy": 0.9, "eval_top5_accuracy": 0.9963 if s < 100 else 1.0}
+             for s in (50, 100)]  # fmt: skip
+    plots.write_plots([*train, *evals], str(tmp_path), 0.1)
+    assert len(figures) == 3
+    for fig in figures:
+        for ax in fig.axes:
+            title = ax.get_title()
+            assert title and "_" not in title and ax.get_xlabel() == "training step" and ax.get_ylabel(), title
+            bottom, top = ax.get_ylim()
+            highest = max(max(line.get_ydata()) for line in ax.get_lines())
+            assert bottom == 0 and top > highest, title  # honest scale, nothing cut by the frame
+            if ax.get_legend() is not None:  # below the axes, not over the lines
+                assert ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted()).y1 <= 0, title
+    top5 = next(ax for ax in figures[1].axes if ax.get_title() == "Validation top-5 accuracy")
+    assert top5.get_ylim() == (0, 1.05) and top5.get_ylabel() == "fraction (1 = all)"  # 0.9963 -> 1.0 is no cliff
+    ranks = figures[2].axes[-1]
+    assert ranks.get_title() == "Peak host memory (RSS) per rank" and ranks.get_ylabel() == "GiB"
+    assert [line.get_label() for line in ranks.get_lines()] == ["rank 0", "rank 1"]
+
+
+def test_the_logged_grad_norm_is_the_mean_over_the_logging_window(monkeypatch):
+    import types
+
+    import torch
+    from transformers import Trainer
+
+    from vit_recipes.trainer import ImageClassificationTrainer
+
+    norms, logged = iter([1.0, 10.0, 4.0, 7.0]), []
+    monkeypatch.setattr(Trainer, "_get_grad_norm", lambda self, model, grad_norm=None: torch.tensor(next(norms)))
+    monkeypatch.setattr(Trainer, "log", lambda self, logs, start_time=None: logged.append(dict(logs)))
+    trainer = ImageClassificationTrainer.__new__(ImageClassificationTrainer)
+    trainer._grad_norms, trainer.callback_handler = (0.0, 0), types.SimpleNamespace(callbacks=[])
+    for _ in range(3):
+        trainer._get_grad_norm(None)
+    trainer.log({"loss": 1.0, "grad_norm": 4.0})  # the Trainer logs the last step's
+    trainer._get_grad_norm(None)
+    trainer.log({"eval_loss": 0.5})  # an evaluation log leaves the window alone
+    trainer.log({"loss": 1.0, "grad_norm": 7.0})
+    assert [e.get("grad_norm") for e in logged] == [5.0, None, 7.0]

@@ -38,14 +38,53 @@ def _grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[Figure,
     return fig, axes
 
 
-def _finish(ax, title: str, amount: bool = False) -> None:
-    """Title, step axis and grid; an amount (images/s, seconds, GiB, a fraction) is drawn from zero, so a small
-    change does not look like a cliff."""
-    ax.set_title(title)
-    ax.set_xlabel("step")
+# What each logged key is, for people: (title, y-axis label). Others: the key in words, unit-less.
+_FRACTION = "fraction (1 = all)"
+_KNOWN = {
+    "loss": ("Loss", "loss (per image)"),
+    "learning_rate": ("Learning rate", "learning rate"),
+    "grad_norm": ("Gradient norm (mean over each logging window)", "L2 norm, before clipping"),
+    "accuracy": ("Accuracy", _FRACTION),
+    "top5_accuracy": ("Top-5 accuracy", _FRACTION),
+    "f1_macro": ("F1 (macro)", _FRACTION),
+    "f1_micro": ("F1 (micro)", _FRACTION),
+    "precision_macro": ("Precision (macro)", _FRACTION),
+    "recall_macro": ("Recall (macro) = balanced accuracy", _FRACTION),
+    "mean_average_precision": ("Mean average precision (mAP)", _FRACTION),
+    "subset_accuracy": ("Subset accuracy (exact match)", _FRACTION),
+    "images_per_second": ("Training throughput (all ranks)", "images/s"),
+    "step_time_s": ("Step time", "seconds"),
+    "data_wait_fraction": ("Time waiting for data", "fraction of the step"),
+    "mfu": ("Model FLOPs utilisation", "fraction of peak"),
+    "cpu_peak_rss_gib": ("Peak host memory (RSS) per rank", "GiB"),
+    "gpu_mem_allocated_gib": ("GPU memory allocated per rank", "GiB"),
+    "gpu_mem_reserved_gib": ("GPU memory reserved per rank", "GiB"),
+    "gpu_mem_peak_gib": ("Peak GPU memory per rank", "GiB"),
+}
+
+
+def describe(key: str) -> tuple[str, str]:
+    """(title, y label) of a logged key (eval_/test_ prefix and _rankN suffix ignored)."""
+    key = re.sub(r"^(eval|test)_", "", key)
+    key = _RANK_KEY.match(key)["name"] if _RANK_KEY.match(key) else key
+    if key in _KNOWN:
+        return _KNOWN[key]
+    fraction = key.endswith(("accuracy", "precision", "recall")) or key.startswith(("f1", "precision", "recall"))
+    return key.replace("_", " ").capitalize(), _FRACTION if fraction else "value"
+
+
+def _finish(ax, title: str, ylabel: str, legend: bool = False) -> None:
+    """Title, labelled axes and grid. Every quantity is drawn from zero (a 0.996 -> 1.0 step is not a cliff), fractions
+    up to just above 1, others with headroom, so no point touches the frame; a legend goes below the axes."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if amount:
-        ax.set_ylim(bottom=0)
+    values = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y)]
+    top = max(values, default=1.0)
+    ax.set_ylim(0, 1.05 if ylabel == _FRACTION and top <= 1 else (top * 1.1 if top > 0 else 1.0))
+    if legend:
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
 
 
 def _save(fig: Figure, path: str) -> str:
@@ -66,20 +105,17 @@ def plot_training_curves(history: list[dict], path: str, label_smoothing: float 
     train = training_entries(history)
     if not train:
         return None
-    panels = [("loss", "Loss"), ("learning_rate", "Learning rate")]
-    if any("grad_norm" in e for e in train):
-        panels.append(("grad_norm", "Grad norm"))
+    panels = ["loss", "learning_rate"] + (["grad_norm"] if any("grad_norm" in e for e in train) else [])
     fig, axes = _grid(len(panels))
-    for ax, (key, title) in zip(axes, panels):
+    for ax, key in zip(axes, panels):
         steps, values = _series(train, key)
         smoothed = f", label smoothing {label_smoothing:g}" if key == "loss" and label_smoothing else ""
-        ax.plot(steps, values, marker=_marker(steps), label=f"train {key}{smoothed}")
+        ax.plot(steps, values, marker=_marker(steps), label=f"train{smoothed}")
         if key == "loss":
             eval_steps, eval_values = _series(history, "eval_loss")
             if eval_steps:
-                ax.plot(eval_steps, eval_values, marker="o", label="validation loss (no smoothing)")
-            ax.legend()
-        _finish(ax, title, amount=True)
+                ax.plot(eval_steps, eval_values, marker="o", label="validation (no smoothing)")
+        _finish(ax, *describe(key), legend=key == "loss")
     return _save(fig, path)
 
 
@@ -92,7 +128,9 @@ def plot_validation_metrics(history: list[dict], path: str) -> str | None:
     for ax, name in zip(axes, names):
         steps, values = _series(history, name)
         ax.plot(steps, values, marker="o")
-        _finish(ax, name.removeprefix("eval_"))
+        title, ylabel = describe(name)
+        lower = title[:1].lower() if not title[1:2].isupper() and not title[1:2].isdigit() else title[:1]
+        _finish(ax, f"Validation {lower}{title[1:]}", ylabel)
     return _save(fig, path)
 
 
@@ -100,27 +138,21 @@ def plot_throughput(history: list[dict], path: str) -> str | None:
     train = training_entries(history)
     if not any("images_per_second" in e for e in train):
         return None
-    panels: list[tuple[str, list[str]]] = [
-        ("Images/s (all ranks)", ["images_per_second"]),
-        ("Step time (s)", ["step_time_s"]),
-        ("Data-wait fraction", ["data_wait_fraction"]),
-    ]
+    panels = [["images_per_second"], ["step_time_s"], ["data_wait_fraction"]]
     if any("mfu" in e for e in train):
-        panels.append(("MFU", ["mfu"]))
+        panels.append(["mfu"])
     per_rank: dict[str, list[str]] = {}
     for key in dict.fromkeys(k for entry in train for k in entry):
         if match := _RANK_KEY.match(key):
             per_rank.setdefault(match["name"], []).append(key)
-    for name, keys in per_rank.items():
-        panels.append((f"{name} per rank", sorted(keys, key=lambda k: int(_RANK_KEY.match(k)["rank"]))))
+    panels += [sorted(keys, key=lambda k: int(_RANK_KEY.match(k)["rank"])) for keys in per_rank.values()]
     fig, axes = _grid(len(panels))
-    for ax, (title, keys) in zip(axes, panels):
+    for ax, keys in zip(axes, panels):
         for key in keys:
             steps, values = _series(train, key)
-            ax.plot(steps, values, marker=_marker(steps), label=key)
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
-        _finish(ax, title, amount=True)
+            rank = _RANK_KEY.match(key)
+            ax.plot(steps, values, marker=_marker(steps), label=f"rank {rank['rank']}" if rank else key)
+        _finish(ax, *describe(keys[0]), legend=len(keys) > 1)
     return _save(fig, path)
 
 

@@ -77,6 +77,7 @@ class ImageClassificationTrainer(Trainer):
         self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
         self.mixup = mixup
         self.card = None  # card.CardInfo, set once the run's results are known
+        self._grad_norms: tuple = (0.0, 0)  # (sum, steps) since the last log: logged as their mean
         self.run_identity: dict = {}  # the plan's identity, recorded in every checkpoint (run_dir.py)
         self.threshold = 0.5  # multi-label: a class is predicted when its sigmoid reaches this (reports)
         # The sum of training_step losses since step 0, resumes included (the Trainer's own train_loss averages only
@@ -151,7 +152,20 @@ class ImageClassificationTrainer(Trainer):
                 callback.add_data_wait(time.perf_counter() - start)
         return batches
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Every optimizer step's norm, summed where it is (no GPU sync): the log then shows the window's mean, not
+        # the last step's, which for one step in 100 zig-zags.
+        norm = super()._get_grad_norm(model, grad_norm)
+        if norm is not None:
+            value = norm.detach().float() if torch.is_tensor(norm) else float(norm)
+            self._grad_norms = (self._grad_norms[0] + value, self._grad_norms[1] + 1)
+        return norm
+
     def log(self, logs, start_time=None):
+        if "grad_norm" in logs and self._grad_norms[1]:
+            total, count = self._grad_norms
+            logs["grad_norm"] = float(total) / count
+            self._grad_norms = (0.0, 0)
         # Per-step speed and memory (meter.SpeedMeter) join the logs before any tracker sees them.
         # Called on every rank: extend_logs may gather values across ranks.
         for callback in self.callback_handler.callbacks:
