@@ -164,7 +164,7 @@ class ImageClassificationTrainer(Trainer):
     def log(self, logs, start_time=None):
         if "grad_norm" in logs and self._grad_norms[1]:
             total, count = self._grad_norms
-            logs["grad_norm"] = float(total) / count
+            logs["grad_norm"] = (total.item() if torch.is_tensor(total) else total) / count  # as the Trainer reads it
             self._grad_norms = (0.0, 0)
         # Per-step speed and memory (meter.SpeedMeter) join the logs before any tracker sees them.
         # Called on every rank: extend_logs may gather values across ranks.
