@@ -114,3 +114,15 @@ def test_legacy_matmul_precision_follows_the_tf32_transformers_sets():
         torch.set_float32_matmul_precision(before[1])
         torch.backends.fp32_precision = before[0]
     assert torch.get_float32_matmul_precision() == before[1]
+
+
+def test_help_lists_what_applies_and_every_trainer_flag_still_parses(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "--per_device_train_batch_size" in text and "--patch_dropout" in text and "--deepspeed" in text
+    assert "--neftune_noise_alpha" not in text and "--use_liger_kernel" not in text
+    assert "Every other flag of transformers' TrainingArguments is accepted too" in text
+    args = parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--neftune_noise_alpha", "5",
+                       "--report_to", "none"])  # fmt: skip
+    assert args.training.neftune_noise_alpha == 5

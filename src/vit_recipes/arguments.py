@@ -406,6 +406,7 @@ def parse_args(
     argv = _attach_negative_numbers(sys.argv[1:] if argv is None else list(argv))
     parser = HfArgumentParser(ARGUMENT_CLASSES)
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are any of the arguments below.")
+    _list_only_what_applies(parser)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
@@ -430,6 +431,31 @@ def parse_args(
         args.training.hub_token = None
     validate_arguments(args)
     return args
+
+
+# transformers' TrainingArguments that --help lists: what fine-tuning an image classifier uses. The other ~70 (text
+# generation, tokens, NEFTune, Liger, hyperparameter search, TPU and hub minutiae) still parse; --help says so.
+_LISTED_TRAINER_FLAGS = {
+    "output_dir", "do_train", "do_eval", "do_predict", "eval_strategy", "eval_steps", "per_device_train_batch_size",
+    "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "max_grad_norm",
+    "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "optim", "seed", "bf16",
+    "fp16", "logging_steps", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
+    "resume_from_checkpoint", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
+    "label_smoothing_factor", "dataloader_num_workers", "dataloader_drop_last", "gradient_checkpointing",
+    "torch_compile", "deepspeed", "use_cpu", "report_to", "run_name", "push_to_hub", "hub_model_id", "hub_strategy",
+    "hub_token", "hub_private_repo", "overwrite_output_dir",
+}  # fmt: skip
+
+
+def _list_only_what_applies(parser: argparse.ArgumentParser) -> None:
+    theirs = {f.name for f in fields(TrainingArguments)}
+    for action in parser._actions:
+        if action.dest in theirs and action.dest not in _LISTED_TRAINER_FLAGS:
+            action.help = argparse.SUPPRESS
+    parser.epilog = (
+        "Every other flag of transformers' TrainingArguments is accepted too (not listed here: text generation, "
+        "tokens, hyperparameter search, ...); transformers' TrainingArguments documentation lists them."
+    )
 
 
 _NEGATIVE_NUMBER = re.compile(r"^-(\d|\.\d|inf$)")
