@@ -411,3 +411,26 @@ def test_balanced_sampler_draws_classes_equally_and_refuses_multi_label():
     with pytest.raises(RecipeError, match="balanced_sampler needs one label per image"):
         balanced_sample_weights(multi)
     assert imbalance(multi) is None
+
+
+def test_an_empty_data_file_and_a_label_column_of_mixed_types_are_one_line_each(tmp_path):
+    """datasets raises DatasetGenerationError ("An error occurred while generating the dataset") for both."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vit_recipes.data import load_any
+
+    empty = tmp_path / "empty" / "data"
+    empty.mkdir(parents=True)
+    schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])), ("label", pa.int64())])
+    rows = {"image": [{"bytes": b"x", "path": None}] * 2, "label": [0, 1]}
+    pq.write_table(pa.table(rows, schema=schema), empty / "train-00000-of-00001.parquet")
+    pq.write_table(pa.table({"image": [], "label": []}, schema=schema), empty / "test-00000-of-00001.parquet")
+    with pytest.raises(RecipeError, match=r"^a data file in .*empty has no rows: remove it, or fill it"):
+        load_any(str(tmp_path / "empty"))
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "train.csv").write_text("image,label\na.png,1\nb.png,2\n")
+    (mixed / "test.csv").write_text("image,label\na.png,1\nb.png,d4\n")
+    with pytest.raises(RecipeError, match=r"^a column in .*mixed mixes types: 'd4' where the other files have int64"):
+        load_any(str(mixed))

@@ -94,3 +94,30 @@ def test_mean_std_and_saved_processor(tiny_vit, tmp_path):
     loaded = AutoImageProcessor.from_pretrained(tmp_path)
     assert loaded.size == {"shortest_edge": 256} and loaded.crop_size == {"height": 224, "width": 224}
     assert list(loaded.image_mean) == [0.1, 0.2, 0.3]
+
+
+def test_a_hidden_size_the_head_count_does_not_divide_is_refused():
+    """ViT built it with a narrower attention (hidden 96, 5 heads: query 95 x 96) and trained without a word."""
+    from transformers import ViTConfig
+
+    from vit_recipes.errors import RecipeError
+    from vit_recipes.modeling import check_config
+
+    config = ViTConfig(hidden_size=96, num_attention_heads=5, image_size=32, patch_size=4)
+    with pytest.raises(
+        RecipeError, match=r"^hidden_size 96 is not divisible by num_attention_heads 5: .*\(e\.g\. 4\)"
+    ):
+        check_config(config, "vit")
+
+
+def test_config_overrides_next_to_a_checkpoint_say_they_are_ignored(tiny_vit, caplog):
+    from types import SimpleNamespace
+
+    from vit_recipes.memory import config_from_args
+
+    args = SimpleNamespace(model_name_or_path=str(tiny_vit), config_overrides="image_size=64,patch_size=8",
+                           cache_dir=None, model_revision="main")  # fmt: skip
+    with caplog.at_level("WARNING"):
+        config, pretrained = config_from_args(args)
+    assert pretrained and config.image_size != 64
+    assert "--config_overrides (image_size=64,patch_size=8) is ignored" in caplog.text

@@ -18,8 +18,13 @@ NOISE = re.compile(r"warn|deprecat|failed to load|^W\d{4} |traceback", re.IGNORE
 def test_the_demo_recipe_prints_no_warning(digits_dir, tiny_vit, tmp_path, lora):
     extra = ["--num_train_epochs", "1"]
     if lora:  # LoRA on a saved checkpoint, merged at the end
-        extra = ["--model_name_or_path", str(tiny_vit), "--use_peft", "true", "--merge_adapter", "true"]
-        extra += ["--max_steps", "10"]
+        extra = ["--model_name_or_path", str(tiny_vit), "--config_overrides", "", "--use_peft", "true"]
+        extra += [
+            "--merge_adapter",
+            "true",
+            "--max_steps",
+            "10",
+        ]  # (the recipe's overrides are for training from scratch)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONWARNINGS", None)  # as a user runs it: Python's default warning filters
     result = subprocess.run(

@@ -66,6 +66,20 @@ def resolve_source(name: str) -> tuple[str, DatasetPreset | None]:
     return (preset.hub_id, preset) if preset else (name, None)
 
 
+def _unreadable_files(err: Exception, path: Path) -> str:
+    """One line for data files datasets could not turn into a table (its own error says only "An error occurred")."""
+    cause = err.__cause__ or err.__context__ or err
+    text = first_line(cause, 200)
+    if "BatchSize must be greater than 0" in text:
+        return f"a data file in {path} has no rows: remove it, or fill it (every split needs images)"
+    if mixed := re.search(r"Failed to parse string: '(.*)' as a scalar of type (\w+)", text):
+        return (
+            f"a column in {path} mixes types: '{mixed[1]}' where the other files have {mixed[2]} values; write every "
+            "label as a class name, or every one as a number"
+        )
+    return f"cannot read the data files in {path}: {type(cause).__name__}: {text}"
+
+
 def load_any(name: str, config_name: str | None = None, cache_dir: str | None = None) -> DatasetDict:
     """Load a Hub id, an imagefolder tree, a folder of parquet/arrow files, a data file or a save_to_disk folder."""
     path = Path(name).expanduser()
@@ -80,6 +94,8 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
         else:
             try:
                 loaded = datasets.load_dataset(str(path), config_name, cache_dir=cache_dir)
+            except datasets.exceptions.DatasetGenerationError as err:
+                raise RecipeError(_unreadable_files(err, path)) from None
             except (FileNotFoundError, ValueError) as err:
                 empty = re.search(r'Instruction "(.+)" corresponds to no data', str(err))
                 if empty:

@@ -4,11 +4,13 @@ offload check (checks.py) reads them; the memory advisor (tools/advise.py) build
 
 from __future__ import annotations
 
+import logging
 import os
 
 from .errors import RecipeError, first_line
 from .hub import hub_error_message, is_network_error, offline_env, written_as_path
 
+logger = logging.getLogger(__name__)
 GIB = 2**30
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for host memory, also used for FSDP2's offload
 
@@ -74,6 +76,13 @@ def model_size(config) -> tuple[int, int]:
 def config_from_args(model_args):
     """The config the script builds from, and whether weights come from a checkpoint."""
     if model_args.model_name_or_path:
+        if model_args.config_overrides:  # a recipe's from-scratch shape next to a checkpoint: the checkpoint's wins
+            logger.warning(
+                "--config_overrides (%s) is ignored: %s is a trained checkpoint and keeps its own config (set "
+                "--model_name_or_path null to train the overridden shape from scratch)",
+                model_args.config_overrides,
+                model_args.model_name_or_path,
+            )
         return load_config(model_args.model_name_or_path, model_args.cache_dir, model_args.model_revision), True
     config = load_config(model_args.config_name)
     if model_args.config_overrides:

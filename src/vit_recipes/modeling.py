@@ -59,6 +59,13 @@ def check_config(config: PretrainedConfig, source: str) -> int:
         raise RecipeError(f"'{source}' has no usable image_size in its config")
     if patch_size and image_size % patch_size:
         raise RecipeError(f"image_size {image_size} is not divisible by patch_size {patch_size}; pick a multiple")
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
+        # ViT would train a narrower attention (heads x (hidden // heads) wide) without a word
+        raise RecipeError(
+            f"hidden_size {hidden} is not divisible by num_attention_heads {heads}: pick a head count that divides it "
+            f"(e.g. {next(h for h in range(heads, 0, -1) if hidden % h == 0)})"
+        )
     return image_size
 
 
