@@ -126,3 +126,17 @@ def test_help_lists_what_applies_and_every_trainer_flag_still_parses(tmp_path, c
     args = parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--neftune_noise_alpha", "5",
                        "--report_to", "none"])  # fmt: skip
     assert args.training.neftune_noise_alpha == 5
+
+
+def test_a_deepspeed_json_with_a_syntax_error_is_named(tmp_path):
+    broken = tmp_path / "zero2.json"
+    broken.write_text('{"train_batch_size": "auto",, }')
+    with pytest.raises(RecipeError, match=r"^--deepspeed .*zero2.json is not valid JSON: Expecting property name"):
+        parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--deepspeed", str(broken)])
+
+
+def test_zero_save_steps_are_one_line(tmp_path):
+    with pytest.raises(
+        RecipeError, match=r"^save_steps must be > 0 \(a step count, or below 1 a fraction of the run\)"
+    ):
+        parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--report_to", "none", "--save_steps", "0"])

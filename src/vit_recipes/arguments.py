@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -421,6 +422,12 @@ def parse_args(
     if before_process_group is not None:
         before_process_group(bool(namespace.use_cpu))
     values = vars(namespace)
+    deepspeed = values.get("deepspeed")
+    if isinstance(deepspeed, str) and os.path.isfile(deepspeed):  # TrainingArguments would parse it without its name
+        try:
+            json.loads(Path(deepspeed).read_text())
+        except json.JSONDecodeError as err:
+            raise RecipeError(f"--deepspeed {deepspeed} is not valid JSON: {err}") from None
     try:
         parsed = [cls(**{f.name: values[f.name] for f in fields(cls) if f.init}) for cls in ARGUMENT_CLASSES]
     except ValueError as err:  # raised by TrainingArguments.__post_init__ on inconsistent values
@@ -485,6 +492,10 @@ def validate_arguments(args: RunArguments) -> None:
         raise RecipeError(f"per_device_eval_batch_size must be > 0, got {train.per_device_eval_batch_size}")
     if not train.gradient_accumulation_steps > 0:
         raise RecipeError(f"gradient_accumulation_steps must be > 0, got {train.gradient_accumulation_steps}")
+    if not train.save_steps > 0:  # the Trainer takes 0 (eval_steps 0 falls back to logging_steps; this does not)
+        raise RecipeError(
+            f"save_steps must be > 0 (a step count, or below 1 a fraction of the run), got {train.save_steps:g}"
+        )
     if not (train.max_steps > 0 or train.num_train_epochs > 0):
         raise RecipeError("num_train_epochs must be > 0 (or set max_steps)")
     if not 0 < data.validation_split_percentage < 1:
