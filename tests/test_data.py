@@ -434,3 +434,19 @@ def test_an_empty_data_file_and_a_label_column_of_mixed_types_are_one_line_each(
     (mixed / "test.csv").write_text("image,label\na.png,1\nb.png,d4\n")
     with pytest.raises(RecipeError, match=r"^a column in .*mixed mixes types: 'd4' where the other files have int64"):
         load_any(str(mixed))
+
+
+def test_a_class_without_training_images_is_one_line(tmp_path):
+    """A label only the test split has (or an empty class): the model could never predict it, silently."""
+    from PIL import Image as PILImage
+
+    from vit_recipes.arguments import DataArguments
+    from vit_recipes.data import load_splits
+
+    for split, classes in (("train", ("cat", "dog")), ("test", ("cat", "dog", "bird"))):
+        for name in classes:
+            (tmp_path / split / name).mkdir(parents=True)
+            for i in range(3):
+                PILImage.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(tmp_path / split / name / f"{i}.png")
+    with pytest.raises(RecipeError, match=r"^1 class\(es\) have no training images: bird; add training images"):
+        load_splits(DataArguments(dataset_name=str(tmp_path)))

@@ -268,6 +268,15 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     dataset_dict, names, source_kind, multi = encode_labels(dataset_dict, label_column, problem_type)
 
     train, validation, test = (dataset_dict[n] if n else None for n in (train_name, val_name, test_name))
+    if train is not None and need_train and not multi:
+        counts = np.bincount(train[LABELS], minlength=len(names))
+        if missing := [names[i] for i in np.flatnonzero(counts == 0)]:
+            # an empty class folder, or a label only validation/test use: a class the model could never learn
+            raise RecipeError(
+                f"{len(missing)} class(es) have no training images: {', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}; add training images of them, or remove them (an empty "
+                "class folder, or validation/test images of a class train lacks)"
+            )
     notes: list[str] = []
     if train is not None and validation is None:
         train, validation = carve_validation(train, data_args.validation_split_percentage, len(names), seed, notes)
