@@ -26,7 +26,7 @@ def test_every_checkpoint_records_the_run_that_wrote_it(cifar_like, tiny_vit, tm
     for step in (2, 4):
         record = json.loads((out / f"checkpoint-{step}" / CHECKPOINT_RECORD).read_text())
         assert record == json.loads((out / "run_config.json").read_text())
-        assert record["seed"] == 42 and record["strategy"] == "single" and record["global_batch"] == 8
+        assert record["seed"] == 42 and record["strategy"] == "ddp or single" and record["global_batch"] == 8
 
 
 def test_overwrite_removes_the_old_runs_checkpoints_so_a_new_run_never_resumes_them(
@@ -239,3 +239,32 @@ def test_killed_anywhere_the_same_command_ends_as_the_uninterrupted_run(
         assert torch.equal(a[key], b[key]), key  # on the CPU: exactly the same weights
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 6
     assert results["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-6)  # the whole run's mean
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_lock(tmp_path):
+    """Two runs started at once into one folder both exited 0, and one's work was lost without a word."""
+    import subprocess
+    import sys
+
+    from vit_recipes.run_dir import _HELD_LOCKS, lock_output_dir
+
+    hold = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "f.write('pid 1 on node-7, since 09:00'); f.flush(); print('held', flush=True); time.sleep(120)"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path / ".run.lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with pytest.raises(
+            RecipeError, match=r"is in use by another run \(pid 1 on node-7, since 09:00\): wait for it"
+        ):
+            lock_output_dir(tmp_path)
+    finally:
+        other.kill()  # SIGKILL: the OS drops its lock
+        other.wait()
+    lock_output_dir(tmp_path)
+    assert "pid " in (tmp_path / ".run.lock").read_text()
+    lock_output_dir(tmp_path)  # again from this process (main() run twice in one process): its own lock
+    _HELD_LOCKS.pop(str(tmp_path.resolve())).close()

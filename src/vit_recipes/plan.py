@@ -17,7 +17,7 @@ from .checks import check_plan, config_value, deepspeed_checkpoint_world_size
 from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
 from .lora import is_adapter_dir
-from .run_dir import OutputState, remove_checkpoints, resolve_output_dir, to_universal
+from .run_dir import OutputState, lock_output_dir, remove_checkpoints, resolve_output_dir, to_universal
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +226,8 @@ def eager_if_compile_fails() -> None:
 def configure(plan: RunPlan, args: RunArguments) -> None:
     """Apply what the plan decided to the settings accelerate, the Trainer and DeepSpeed read later."""
     t, strategy = args.training, plan.strategy
+    if t.process_index == 0:  # before anything is removed or written there
+        lock_output_dir(t.output_dir)
     if plan.output.stale_checkpoints and t.process_index == 0:
         remove_checkpoints(plan.output.stale_checkpoints)  # a new run must never resume the old run's state
     if plan.device == "cpu":  # no accelerator to pin memory for (torch warns at every DataLoader otherwise)

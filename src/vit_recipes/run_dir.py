@@ -11,8 +11,12 @@ import logging
 import os
 import re
 import shutil
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .errors import RecipeError
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +25,8 @@ CHECKPOINT_RECORD = "run_identity.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 LOSS_RECORD = "train_loss.json"
-WRITE_PROBE = ".write-probe-"  # rank 0's writability check (checks.py): another rank must not read it as a run
+WRITE_PROBE = ".write-probe-"
+LOCK_FILE = ".run.lock"  # held by the run writing into the folder (lock_output_dir)  # rank 0's writability check (checks.py): another rank must not read it as a run
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
             logger.warning("Resuming %s, written by another run (%s), as asked", explicit, "; ".join(changed))
         return OutputState("resume", explicit)
     out = Path(training_args.output_dir)
-    if not out.is_dir() or not any(p for p in out.iterdir() if not p.name.startswith(WRITE_PROBE)):
+    if not out.is_dir() or not any(p for p in out.iterdir() if not p.name.startswith((WRITE_PROBE, LOCK_FILE))):
         return OutputState("fresh")
     if training_args.overwrite_output_dir:
         # Only checkpoints the Trainer or this project wrote: foreign folders are never touched.
@@ -133,6 +138,36 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
             "again or choose another --output_dir",
         )
     return OutputState("fresh")
+
+
+_HELD_LOCKS: dict = {}  # folder -> its open lock file: the OS drops the lock when the process ends, however it ends
+
+
+def lock_output_dir(output_dir: str | os.PathLike) -> None:
+    """One run at a time in an output folder: a second one, started while the first runs, would write over its
+    weights and checkpoints without a word. flock, so a crashed or killed run leaves no stale lock."""
+    import fcntl
+
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    if str(folder.resolve()) in _HELD_LOCKS:  # this process's own earlier run (runs of main() in one process)
+        return
+    handle = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held until the process ends)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RecipeError(
+            f"output_dir {folder} is in use by another run ({holder}): wait for it to end, or choose another "
+            "--output_dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _HELD_LOCKS[str(folder.resolve())] = handle
 
 
 def remove_checkpoints(paths: tuple[str, ...]) -> None:
