@@ -268,3 +268,24 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
     assert "pid " in (tmp_path / ".run.lock").read_text()
     lock_output_dir(tmp_path)  # again from this process (main() run twice in one process): its own lock
     _HELD_LOCKS.pop(str(tmp_path.resolve())).close()
+
+
+def test_a_finished_run_with_its_final_checkpoint_is_refused_not_rewritten(cifar_like, tiny_vit, tmp_path, run_script):
+    """It resumed its last checkpoint, trained nothing and rewrote the card and all_results.json without the training
+    time and throughput. Killed before its card (written last), the same command still finishes it."""
+    out = tmp_path / "run"
+    args = run_args(cifar_like, tiny_vit, out, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2")
+    run_script(*args)
+    assert (out / "checkpoint-2").is_dir()
+    results = (out / "all_results.json").read_text()
+    with pytest.raises(RecipeError, match="holds a finished run of this recipe; pass --overwrite_output_dir"):
+        run_script(*args)
+    assert (out / "all_results.json").read_text() == results
+    (out / "README.md").unlink()
+    run_script(*args)
+    assert (out / "README.md").is_file()
+    # A larger --max_steps asks for more: it continues the finished run from its last checkpoint
+    run_script(
+        *run_args(cifar_like, tiny_vit, out, "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
+    )
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4

@@ -120,6 +120,19 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
             "--overwrite_output_dir"
             + (f", or resume its {complete.name} anyway with --resume_from_checkpoint {complete}" if complete else ""),
         )
+    # Finished: its results and model card are written (the card last; killed before it, the run resumes) and this
+    # command asks for no more steps or epochs. Resuming its final checkpoint would train nothing and rewrite both,
+    # losing the training time and throughput they hold.
+    if (
+        (out / "all_results.json").is_file()
+        and ((out / "README.md").is_file() or not complete)
+        and not (complete and _asks_for_more(training_args, complete))
+    ):
+        return OutputState(
+            "refuse",
+            refusal=f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to train "
+            "again or choose another --output_dir",
+        )
     if complete:
         if changed := _differences(json.loads((complete / CHECKPOINT_RECORD).read_text()), run):
             return OutputState(
@@ -131,12 +144,6 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
             )
         logger.warning("Resuming the run found in %s from %s", out, complete)
         return OutputState("resume", candidate)
-    if (out / "all_results.json").is_file():
-        return OutputState(
-            "refuse",
-            refusal=f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to train "
-            "again or choose another --output_dir",
-        )
     return OutputState("fresh")
 
 
@@ -168,6 +175,14 @@ def lock_output_dir(output_dir: str | os.PathLike) -> None:
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
     _HELD_LOCKS[str(folder.resolve())] = handle
+
+
+def _asks_for_more(training_args, checkpoint: Path) -> bool:
+    """This command trains past where the checkpoint's run ended (a larger --max_steps or --num_train_epochs)."""
+    state = json.loads((checkpoint / TRAINER_STATE).read_text()) if (checkpoint / TRAINER_STATE).is_file() else {}
+    if training_args.max_steps > 0:
+        return training_args.max_steps > state.get("global_step", 0)
+    return training_args.num_train_epochs > state.get("num_train_epochs", 0)
 
 
 def remove_checkpoints(paths: tuple[str, ...]) -> None:
