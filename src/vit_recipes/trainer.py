@@ -225,8 +225,11 @@ class ImageClassificationTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         except Exception as err:  # a full disk surfaces as OSError, RuntimeError (torch.save) or SafetensorError
             free = shutil.disk_usage(self.args.output_dir).free / 2**30
+            # torch.save on a full disk says "[enforce fail at inline_container.cc] . unexpected pos ..."
+            full = getattr(err, "errno", None) == 28 or "unexpected pos" in str(err) or "No space left" in str(err)
+            cause = "no space left on the device" if full else first_line(err)
             raise RecipeError(
-                f"writing {folder} failed ({first_line(err)}; {free:.1f} GiB free there): the last complete "
+                f"writing {folder} failed ({cause}; {free:.1f} GiB free there): the last complete "
                 "checkpoint is kept, and the same command resumes from it once the cause is fixed"
             ) from err
         # Every rank's files are on disk before the record that makes the checkpoint complete (run_dir.py): a crash
@@ -249,6 +252,12 @@ class ImageClassificationTrainer(Trainer):
             loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
             model.load_state_dict(loaded.state_dict(), strict=True)
         except Exception as err:  # truncated or corrupt files: SafetensorError, UnpicklingError, OSError, ...
+            if any(w in str(err) for w in ("size mismatch", "ignore_mismatched_sizes", "shape")):  # another model's
+                raise RecipeError(
+                    f"{resume_from_checkpoint} holds a model of another shape than this run's ({first_line(err)}): "
+                    "it is another model's checkpoint; choose another --output_dir, or pass --overwrite_output_dir "
+                    "to start over"
+                ) from err
             raise RecipeError(
                 f"cannot read the weights of {resume_from_checkpoint} ({first_line(err)}): delete that folder to "
                 "resume from the checkpoint before it, or pass --overwrite_output_dir to start over"
