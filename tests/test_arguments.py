@@ -140,3 +140,8 @@ def test_zero_save_steps_are_one_line(tmp_path):
         RecipeError, match=r"^save_steps must be > 0 \(a step count, or below 1 a fraction of the run\)"
     ):
         parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--report_to", "none", "--save_steps", "0"])
+
+
+def test_a_billion_epochs_is_one_line(tmp_path):
+    with pytest.raises(RecipeError, match=r"^num_train_epochs 1e\+09 is over 100,000 epochs: give a real count"):
+        parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--num_train_epochs", "1e9"])

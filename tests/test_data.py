@@ -450,3 +450,14 @@ def test_a_class_without_training_images_is_one_line(tmp_path):
                 PILImage.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(tmp_path / split / name / f"{i}.png")
     with pytest.raises(RecipeError, match=r"^1 class\(es\) have no training images: bird; add training images"):
         load_splits(DataArguments(dataset_name=str(tmp_path)))
+
+
+def test_a_batch_larger_than_the_training_set_is_one_line(cifar_like, tmp_path):
+    """Each step was the whole set and the card recorded a batch of 10^9."""
+    from vit_recipes.arguments import parse_args
+    from vit_recipes.steps import load_data
+
+    args = parse_args(["--dataset_name", str(cifar_like), "--output_dir", str(tmp_path), "--use_cpu", "true",
+                       "--per_device_train_batch_size", "1000000000", "--do_train", "true", "--report_to", "none"])  # fmt: skip
+    with pytest.raises(RecipeError, match=r"is 1,000,000,000 images a step, more than the 300 training images"):
+        load_data(args)

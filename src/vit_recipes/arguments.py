@@ -492,6 +492,8 @@ def validate_arguments(args: RunArguments) -> None:
         raise RecipeError(f"per_device_eval_batch_size must be > 0, got {train.per_device_eval_batch_size}")
     if not train.gradient_accumulation_steps > 0:
         raise RecipeError(f"gradient_accumulation_steps must be > 0, got {train.gradient_accumulation_steps}")
+    if train.max_steps <= 0 and train.num_train_epochs > 1e5:  # an ETA in years, said nowhere
+        raise RecipeError(f"num_train_epochs {train.num_train_epochs:g} is over 100,000 epochs: give a real count")
     if not train.save_steps > 0:  # the Trainer takes 0 (eval_steps 0 falls back to logging_steps; this does not)
         raise RecipeError(
             f"save_steps must be > 0 (a step count, or below 1 a fraction of the run), got {train.save_steps:g}"

@@ -73,6 +73,13 @@ def load_data(args: RunArguments) -> ImageSplits:
         return labels_of_model(args.model.model_name_or_path, config)
     training = args.training
     splits = load_splits(args.data, training.seed, args.model.cache_dir, need_train=training.do_train)
+    batch = training.per_device_train_batch_size * training.world_size
+    if training.do_train and splits.train is not None and batch > len(splits.train):
+        raise RecipeError(
+            f"per_device_train_batch_size {training.per_device_train_batch_size} x {training.world_size} process(es) "
+            f"is {batch:,} images a step, more than the {len(splits.train):,} training images: lower "
+            "--per_device_train_batch_size"
+        )
     sizes = ", ".join(f"{n} {len(d)}" for n, d in splits.present().items())
     kind = f"{'multi' if splits.multi_label else 'single'}-label classification"
     logger.info(
