@@ -118,6 +118,9 @@ def test_class_names_a_font_cannot_draw_become_class_ids(tmp_path, monkeypatch):
     from vit_recipes.reports import plot_confusion_matrix, tick_names
 
     assert tick_names(["cat", "dog"], [0, 1]) == (["cat", "dog"], None)
+    # An emoji no real font here has: matplotlib's LastResort font claims every character and draws boxes
+    names, font = tick_names(["llama \U0001f999", "dog"], [0, 1])
+    assert font is None or "LastResort" not in font, font
     monkeypatch.setattr(font_manager.fontManager, "ttflist", [])  # no other font installed
     assert tick_names(["猫", "犬"], [0, 1]) == (["0", "1"], None)
     path = plot_confusion_matrix(np.array([[3, 1], [0, 4]]), ["猫", "犬"], str(tmp_path / "cm.png"))

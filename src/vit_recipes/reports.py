@@ -88,6 +88,8 @@ def tick_names(names: list[str], ids) -> tuple[list[str], str | None]:
     needed = {ord(c) for name in names for c in name if not c.isspace()}
     default = font_manager.findfont(font_manager.FontProperties())
     for path in [default, *sorted({f.fname for f in font_manager.fontManager.ttflist} - {default})]:
+        if "LastResort" in path:  # its character map claims every character, and draws each as a box
+            continue
         try:
             if needed <= set(FT2Font(path).get_charmap()):
                 return names, None if path == default else path
