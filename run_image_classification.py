@@ -130,6 +130,12 @@ def cli() -> None:
             time.sleep(30)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: one line instead of a traceback through the Trainer
+        if launch.env_int("LOCAL_RANK", default=0) == 0:
+            # on a new line: a progress bar stops mid-line
+            print("\ninterrupted: the last complete checkpoint is kept; run the same command to resume from it",
+                  file=sys.stderr)  # fmt: skip
+        sys.exit(130)
     launch.shutdown()  # after success only: a rank that failed must not wait in a collective teardown
 
 

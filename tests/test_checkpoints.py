@@ -307,3 +307,32 @@ def test_resuming_a_checkpoint_of_a_model_of_another_shape_does_not_ask_to_delet
     with pytest.raises(RecipeError, match=r"checkpoint-2 holds a model of another shape than this run's .* choose an"):
         run_script(*args(cifar_like, wider, tmp_path / "again", "--max_steps", "4", *SAVE_EVERY_2,
                          "--resume_from_checkpoint", out / "checkpoint-2"))  # fmt: skip
+
+
+def test_ctrl_c_during_training_is_one_line_and_keeps_the_last_checkpoint(cifar_like, tiny_vit, tmp_path):
+    """It was a 97-line traceback ending in KeyboardInterrupt."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    out = tmp_path / "out"
+    # a run far longer than the test waits: the signal always comes during training
+    argv = [sys.executable, str(ROOT / "run_image_classification.py"),
+            *map(str, args(cifar_like, tiny_vit, out, "--max_steps", "100000", *SAVE_EVERY_2))]  # fmt: skip
+    # as from a terminal: a shell's background job (a CI runner) can inherit SIGINT ignored
+    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    run = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE,
+                           stdout=subprocess.DEVNULL, text=True, preexec_fn=restore)  # fmt: skip
+    deadline = time.time() + 240
+    while not list(out.glob(f"checkpoint-*/{CHECKPOINT_RECORD}")) and time.time() < deadline and run.poll() is None:
+        time.sleep(0.1)
+    run.send_signal(signal.SIGINT)
+    stderr = run.communicate(timeout=120)[1]
+    assert run.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    lines = [x.strip() for x in stderr.replace("\r", "\n").splitlines() if x.strip() and "it/s]" not in x[-30:]]
+    assert lines[-1] == "interrupted: the last complete checkpoint is kept; run the same command to resume from it"
+    assert list(out.glob(f"checkpoint-*/{CHECKPOINT_RECORD}")), "a complete checkpoint is kept"

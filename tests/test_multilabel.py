@@ -184,9 +184,10 @@ def test_metrics_and_per_class_report_match_sklearn(seed, tmp_path):
 
 def test_real_digit_mosaics_beat_a_frozen_backbone(digit_mosaics, tmp_path, run_script, capsys):
     """Full fine-tuning of a tiny ViT on mosaics of real digit scans vs the same run on a frozen random backbone
-    (a linear probe). Numbers are recorded in docs/usage.md ("Multi-label")."""
+    (a linear probe), 20 epochs each; docs/usage.md ("Multi-label") records the same setup trained for 40 epochs.
+    Margins measured over seeds 0-4 x OMP_NUM_THREADS 1/2/4/unset x AVX-512/AVX2 kernels."""
     model = save_tiny_vit(tmp_path / "tiny")
-    settings = ("--num_train_epochs", "40", "--learning_rate", "3e-3", "--per_device_train_batch_size", "32")
+    settings = ("--num_train_epochs", "20", "--learning_rate", "3e-3", "--per_device_train_batch_size", "32")
     settings += ("--crop_scale_min", "1.0", "--hflip_prob", "0", "--seed", "0")  # a crop or flip changes the digits
     runs = {}
     for method, extra in (("full", ()), ("head", ("--freeze_backbone", "true"))):
@@ -199,8 +200,12 @@ def test_real_digit_mosaics_beat_a_frozen_backbone(digit_mosaics, tmp_path, run_
             for m, r in runs.items()
         }
     )
-    assert full["test_mean_average_precision"] > 0.8 and full["test_f1_micro"] > 0.6
-    assert full["test_mean_average_precision"] > head["test_mean_average_precision"] + 0.15
+    truth = Dataset.from_parquet(str(digit_mosaics / "data" / "test-00000-of-00001.parquet"))["labels"]
+    share = sum(map(len, truth)) / (10 * len(truth))  # of the (image, digit) pairs that are positives, about 0.3
+    every_digit_f1 = 2 * share / (1 + share)  # F1 micro of predicting all 10 digits in every image, about 0.46
+    gain = full["test_mean_average_precision"] - head["test_mean_average_precision"]
+    assert gain > 0.15, runs  # measured +0.33 to +0.39 (full 0.86-0.92, head 0.52-0.53); no gain means broken
+    assert full["test_f1_micro"] > every_digit_f1 + 0.15, runs  # measured 0.78-0.84 vs 0.46
     out = tmp_path / "full"
     config = json.loads((out / "config.json").read_text())
     assert config["problem_type"] == "multi_label_classification" and config["id2label"]["3"] == "3"
@@ -209,31 +214,39 @@ def test_real_digit_mosaics_beat_a_frozen_backbone(digit_mosaics, tmp_path, run_
 
     from transformers import pipeline
 
-    images, labels = mosaics(4, np.arange(1797), seed=9)
+    images, labels = mosaics(16, np.arange(1797), seed=9)
     classify = pipeline("image-classification", model=str(out), device="cpu")
+    pipeline_scores = []
     for image in images:
         scores = {r["label"]: r["score"] for r in classify(PILImage.fromarray(image), top_k=10)}
         assert set(scores) == set(DIGITS) and sum(scores.values()) > 1.05  # independent sigmoids, not a softmax
+        pipeline_scores.append(scores)
 
     folder = tmp_path / "to_predict"
     folder.mkdir()
     for i, image in enumerate(images):
-        PILImage.fromarray(image).save(folder / f"{i}.png")
+        PILImage.fromarray(image).save(folder / f"{i:02d}.png")
     (folder / "broken.png").write_bytes(b"not an image")
     predict = ("--model_name_or_path", out, "--output_dir", tmp_path / "predicted", "--do_predict", "true")
     run_script(*predict, "--predict_images", folder, *FAST_ARGS)
     with open(tmp_path / "predicted" / "predictions.csv") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["file", "labels", "scores"] and len(rows) == 6
+    assert rows[0] == ["file", "labels", "scores"] and len(rows) == len(images) + 2
     found = {r[0]: r for r in rows[1:]}
     assert found["broken.png"][1:] == ["", "unreadable"]
-    predicted = [found[f"{i}.png"][1].split(";") for i in range(len(images))]
+    predicted = [found[f"{i:02d}.png"][1].split(";") if found[f"{i:02d}.png"][1] else [] for i in range(len(images))]
     for i, names in enumerate(predicted):
-        scores = [float(s) for s in found[f"{i}.png"][2].split(";")]
+        scores = [float(s) for s in found[f"{i:02d}.png"][2].split(";")] if names else []
         assert set(names) <= set(DIGITS) and len(names) == len(scores)
         assert all(s >= 0.5 for s in scores) and scores == sorted(scores, reverse=True)
+        # the same model through pipeline(): the same scores, so the same labels at the threshold
+        assert scores == pytest.approx([pipeline_scores[i][name] for name in names], abs=1e-5)
+        above = {name for name, score in pipeline_scores[i].items() if score >= 0.5 + 1e-5}
+        assert above <= set(names) <= {name for name, score in pipeline_scores[i].items() if score >= 0.5 - 1e-5}
     hits = sum(len(set(names) & {str(d) for d in label}) for names, label in zip(predicted, labels))
-    assert hits >= 0.7 * sum(map(len, labels))  # most digits present are found
+    positives = sum(map(len, labels))
+    print(f"predict: {hits} of {positives} digits found, {sum(map(len, predicted))} predicted")
+    assert hits >= 0.5 * positives  # most digits present are found: measured 0.75-0.77; 3 random guesses: 0.3
 
 
 @pytest.mark.parametrize(
