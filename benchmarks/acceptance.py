@@ -11,8 +11,10 @@ Hub (CIFAR-100-shaped PNGs, randomly initialised ViT-B/16 and ViT-H/14), then ch
   step 30 within LOSS_TOLERANCE of DDP's, the rank reports (world size, wrapper, ZeRO stage, what is sharded), and the
   saved model reloaded with pipeline() scoring within SCORE_TOLERANCE of the run's own test accuracy. ZeRO-2 runs as
   the README types it (`deepspeed run_image_classification.py --deepspeed ds_configs/zero2.json --config ...`);
-- kill: DDP, ZeRO-2, ZeRO-3, FSDP2 killed with SIGKILL (the launcher's whole process group) once checkpoint-10 is
-  complete, then the same command again: it resumes and ends on the uninterrupted run's weights (WEIGHT_TOLERANCE);
+- kill: DDP, ZeRO-2, ZeRO-3, FSDP2 killed with SIGKILL (every process of the run: torchrun starts each worker in a
+  session of its own, so killing the launcher's process group leaves them training) once checkpoint-10 is complete,
+  then the same command again: it resumes from checkpoint-10 and ends on the uninterrupted run's weights
+  (WEIGHT_TOLERANCE);
 - resume: DDP, ZeRO-1, ZeRO-2, FSDP2 checkpoints resumed on another GPU count (all -> 1 and 1 -> all, global batch
   kept): steps 11-30 within LOSS_TOLERANCE of the uninterrupted run's; ZeRO-3 on another count: its one-line refusal;
 - single (one GPU): the default command (regional compilation), --patch_dropout 0.5, LoRA (saved, merged, reloaded),
@@ -82,10 +84,28 @@ class Job:
     needs: tuple[str, ...] = ()
     output: Path | None = None  # the run's --output_dir
     seed_from: Path | None = None  # copy this checkpoint (and its run's run_config.json) into output first
-    kill_when: Path | None = None  # SIGKILL the process group once this file exists
+    kill_when: Path | None = None  # SIGKILL every process of the run once this file exists
     soft: bool = False  # runs once its needs have ended, whether they succeeded or not
     timeout: int = 420
     result: dict = field(default_factory=dict)
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL a process and every descendant, each in whatever process group or session it runs (torchrun starts
+    its workers with start_new_session, so killpg of the launcher alone leaves them training). Returns the pids."""
+    import psutil  # accelerate's dependency
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]  # listed first: a killed parent's children are reparented
+    except psutil.NoSuchProcess:
+        return []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # anything the launcher's group started meanwhile
+    return [p.pid for p in procs]
 
 
 class Suite:
@@ -260,14 +280,19 @@ class Suite:
             for name, (proc, start, placed) in list(running.items()):
                 job = self.jobs[name]
                 if job.kill_when and job.kill_when.exists() and proc.poll() is None and "killed_at" not in job.result:
-                    os.killpg(proc.pid, signal.SIGKILL)  # kill -9 of the launcher's process group
+                    job.result["killed_pids"] = kill_tree(proc.pid)  # a crash of the whole machine's share of the run
                     job.result["killed_at"] = sorted(p.name for p in job.output.glob("checkpoint-*"))
                     self.log(f"{name}: SIGKILL once {job.kill_when.parent.name} was complete")
                 timeout = time.time() - start > job.timeout or self.over_budget()
                 if timeout:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_tree(proc.pid)
                 if proc.poll() is not None or timeout:
                     proc.wait()
+                    if "killed_pids" in job.result:  # what a killed run left: every process gone, nothing written
+                        time.sleep(1)
+                        job.result["alive_after_kill"] = [pid for pid in job.result["killed_pids"] if _alive(pid)]
+                        job.result["after_kill"] = sorted(p.name for p in job.output.glob("checkpoint-*"))
+                        job.result["results_after_kill"] = (job.output / "all_results.json").exists()
                     job.result.update(exit="timeout" if timeout else proc.returncode,
                                       seconds=round(time.time() - start, 1))  # fmt: skip
                     for g in placed:
@@ -348,6 +373,15 @@ class Suite:
 
 
 # ------------------------------------------------------------------------------------------------------ checks
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -451,16 +485,22 @@ def check(suite: Suite) -> list[dict]:
         if f"kill-{s}" not in suite.jobs:
             continue
         killed = suite.jobs[f"kill-{s}"].result
-        was_killed = killed.get("exit") == -9 and "killed_at" in killed
-        add("kill", f"{s}: killed (SIGKILL) after a complete checkpoint", f"kill-{s}", was_killed,
-            f"exit {killed.get('exit')}, checkpoints on disk {killed.get('killed_at')}")  # fmt: skip
+        # every process gone with the launcher: nothing written after the kill (no later checkpoint, no results)
+        after_kill, survivors = killed.get("after_kill"), killed.get("alive_after_kill", [])
+        was_killed = (killed.get("exit") == -9 and "killed_at" in killed and not survivors
+                      and after_kill == killed["killed_at"] and not killed.get("results_after_kill"))  # fmt: skip
+        add("kill", f"{s}: killed (SIGKILL, every process) after a complete checkpoint", f"kill-{s}", was_killed,
+            f"exit {killed.get('exit')}, {len(killed.get('killed_pids', []))} processes killed, {len(survivors)} "
+            f"alive after; checkpoints at the kill {killed.get('killed_at')}, before the resume {after_kill}")  # fmt: skip
         if was_killed and ran("kill", f"resume-{s}", f"{s}: the same command again resumes"):
             state = _json(w / f"kill-{s}" / "trainer_state.json")
-            resumed = "Resum" in log_text(suite, f"resume-{s}")
+            resumed = re.search(rf"Resuming the run found in .* from .*checkpoint-{SAVE_EVERY}\b",
+                                log_text(suite, f"resume-{s}")) is not None  # fmt: skip
             worst, detail = compare_weights(w / f"kill-{s}", w / s)
             add("kill", f"{s}: resumed to step {STEPS}, same weights as the uninterrupted run", f"resume-{s}",
                 worst <= WEIGHT_TOLERANCE and state.get("global_step") == STEPS and resumed,
-                f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'}; {detail}")  # fmt: skip
+                f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'} from checkpoint-{SAVE_EVERY}; "
+                f"{detail}")  # fmt: skip
     for s in CROSS_COUNT:
         for name, reference, where in ((f"to1-{s}", s, f"{suite.procs} -> 1"),
                                        (f"from1-{s}", f"one-{s}", f"1 -> {suite.procs}")):  # fmt: skip

@@ -9,7 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import ROOT
+from safetensors.torch import save_file
 
 
 @pytest.fixture
@@ -83,6 +85,20 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
             fake_run(job.output, base)
     fake_run(tmp_path / "to1-zero2", {s: v * (1.05 if s > 20 else 1) for s, v in base.items()})  # drifts 5%
     suite.jobs["kill-ddp"].result = {"exit": 0}  # finished before the kill
+    killed = {"exit": -9, "killed_pids": [1, 2, 3], "killed_at": ["checkpoint-10"], "alive_after_kill": []}
+    # the launcher died, its workers (each in a session of its own) trained on: the suite's own bug once
+    suite.jobs["kill-zero3"].result = {**killed, "after_kill": ["checkpoint-10", "checkpoint-20"]}
+    suite.jobs["kill-fsdp2"].result = {**killed, "after_kill": ["checkpoint-10"], "results_after_kill": False}
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "resume-fsdp2.log").write_text(  # resumed, but not from the checkpoint the kill left
+        f"WARNING Resuming the run found in {tmp_path}/kill-fsdp2 from {tmp_path}/kill-fsdp2/checkpoint-30\n"
+    )
+    suite.jobs["kill-zero2"].result = {**killed, "after_kill": ["checkpoint-10"], "results_after_kill": False}
+    (tmp_path / "logs" / "resume-zero2.log").write_text(
+        f"WARNING Resuming the run found in {tmp_path}/kill-zero2 from {tmp_path}/kill-zero2/checkpoint-10\n"
+    )
+    for run in ("kill-zero2", "zero2", "kill-fsdp2", "fsdp2"):  # the same weights: only the resume line differs
+        save_file({"w": torch.ones(2)}, tmp_path / run / "model.safetensors")
     (tmp_path / "scores").mkdir()
     for s in acceptance.STRATEGY_RUNS:
         (tmp_path / "scores" / f"{s}.json").write_text(json.dumps({"accuracy": 0.4, "images": 1000}))
@@ -91,7 +107,9 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     failed = {name for name, r in rows.items() if r["status"] == "FAIL"}
     assert "zero2: resumed 2 -> 1, steps 11-30 within 3% of the uninterrupted run" in failed
     assert "zero2: resumed 1 -> 2, steps 11-30 within 3% of the uninterrupted run" not in failed
-    assert "ddp: killed (SIGKILL) after a complete checkpoint" in failed
+    assert {f"{s}: killed (SIGKILL, every process) after a complete checkpoint" for s in ("ddp", "zero3")} <= failed
+    assert "fsdp2: resumed to step 30, same weights as the uninterrupted run" in failed
+    assert rows["zero2: resumed to step 30, same weights as the uninterrupted run"]["status"] == "PASS"
     assert any(n.startswith("zero1: pipeline()") for n in failed) and not any(
         n.startswith("zero2: pipeline()") for n in failed
     )
@@ -115,3 +133,25 @@ def test_two_calls_make_one_record(acceptance, tmp_path):
     (tmp_path / "again.json").write_text(json.dumps({"runs": [run(["strategies", "kill", "resume"], "PASS")]}))
     acceptance.merge(record, tmp_path / "again.json")  # a rerun of those parts replaces them
     assert "**2 of 2 checks pass or skip; 0 fail.**" in (record / "acceptance.md").read_text()
+
+
+def test_a_kill_reaches_workers_in_sessions_of_their_own(acceptance):
+    """torchrun starts each worker with start_new_session: killing the launcher's process group left them training."""
+    import subprocess
+    import sys
+    import time
+
+    worker = "import time; time.sleep(120)"
+    launcher = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], "
+                "start_new_session=True); time.sleep(120)")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    deadline = time.time() + 30
+    import psutil
+
+    while not psutil.Process(proc.pid).children() and time.time() < deadline:
+        time.sleep(0.05)
+    killed = acceptance.kill_tree(proc.pid)
+    proc.wait(timeout=10)
+    assert len(killed) == 2
+    time.sleep(0.5)
+    assert not [pid for pid in killed if acceptance._alive(pid)]

@@ -231,9 +231,9 @@ def test_real_digit_mosaics_beat_a_frozen_backbone(digit_mosaics, tmp_path, run_
     run_script(*predict, "--predict_images", folder, *FAST_ARGS)
     with open(tmp_path / "predicted" / "predictions.csv") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["file", "labels", "scores"] and len(rows) == len(images) + 2
+    assert rows[0] == ["file", "labels", "scores", "problem"] and len(rows) == len(images) + 2
     found = {r[0]: r for r in rows[1:]}
-    assert found["broken.png"][1:] == ["", "unreadable"]
+    assert found["broken.png"][1:] == ["", "", "unreadable"]
     predicted = [found[f"{i:02d}.png"][1].split(";") if found[f"{i:02d}.png"][1] else [] for i in range(len(images))]
     for i, names in enumerate(predicted):
         scores = [float(s) for s in found[f"{i:02d}.png"][2].split(";")] if names else []

@@ -108,7 +108,7 @@ def test_pipeline_matches_script_and_predict_csv(digits_dir, tmp_path, run_scrip
     assert results["test_accuracy"] > 0.6, "a tiny ViT learns digits within a few epochs"
     with open(out / "predictions.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == len(test) and set(rows[0]) == {"file", "label", "score"}
+    assert len(rows) == len(test) and list(rows[0]) == ["file", "label", "score", "problem"]
     classifier = pipeline("image-classification", model=str(out), device="cpu")
     ours = {row["file"]: row["label"] for row in rows}
     theirs = {p.name: classifier(str(p), top_k=1)[0]["label"] for p in sorted(images.iterdir())}
@@ -123,11 +123,13 @@ def test_pipeline_matches_script_and_predict_csv(digits_dir, tmp_path, run_scrip
     predicted = run_script("--model_name_or_path", out, "--do_predict", "true", "--predict_images", images,
                            "--output_dir", only, "--use_cpu", "true", "--report_to", "none")  # fmt: skip
     assert not any(k.startswith(("eval_", "test_", "train_")) for k in predicted), predicted
-    assert sorted(p.name for p in only.iterdir() if p.is_file()) == ["all_results.json", "predictions.csv"]
+    written = sorted(p.name for p in only.iterdir() if p.is_file())
+    assert written == [".run.lock", "all_results.json", "predictions.csv"]  # the lock: one run at a time in a folder
     with open(only / "predictions.csv") as f:
-        again = {row["file"]: (row["label"], row["score"]) for row in csv.DictReader(f)}
-    assert again.pop("zz_broken.png") == ("", "unreadable")
-    assert {name: label for name, (label, _) in again.items()} == ours
+        again = {row["file"]: (row["label"], row["score"], row["problem"]) for row in csv.DictReader(f)}
+    assert again.pop("zz_broken.png") == ("", "", "unreadable")
+    assert {problem for _, _, problem in again.values()} == {""}
+    assert {name: label for name, (label, _, _) in again.items()} == ours
     # A model without our labels.json (e.g. from the Hub): labels from its config, storage from the images.
     hub_like = tmp_path / "hub_like"
     shutil.copytree(out, hub_like, ignore=shutil.ignore_patterns("labels.json", "checkpoint-*"))

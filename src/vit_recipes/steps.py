@@ -207,8 +207,9 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, p
 
 
 def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> None:
-    """Classify a folder of images into predictions.csv (unreadable files are listed, not dropped). Multi-label: the
-    labels whose sigmoid reaches the threshold, best first, and their scores, each joined by ';'."""
+    """Classify a folder of images into predictions.csv: file, label, score, problem (a file that could not be read
+    is listed with the problem, no label and no score, not dropped). Multi-label: the labels whose sigmoid reaches
+    the threshold, best first, and their scores, each joined by ';'."""
     images = load_image_folder(data_args.predict_images)
     if splits.storage_shape:  # stored as the model's training images were
         storage = StorageFormat(splits.storage_shape, splits.white)
@@ -224,18 +225,22 @@ def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> 
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         if splits.multi_label:
-            writer.writerow(["file", "labels", "scores"])
+            writer.writerow(["file", "labels", "scores", "problem"])
             scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
             for file, row in zip(decoded["file"], scores):
                 chosen = [i for i in np.argsort(-row, kind="stable") if row[i] >= data_args.multi_label_threshold]
-                writer.writerow([file, ";".join(names[i] for i in chosen), ";".join(f"{row[i]:.6f}" for i in chosen)])
+                chosen_names, chosen_scores = (
+                    ";".join(names[i] for i in chosen),
+                    ";".join(f"{row[i]:.6f}" for i in chosen),
+                )
+                writer.writerow([file, chosen_names, chosen_scores, ""])
         else:
             shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-            writer.writerow(["file", "label", "score"])
+            writer.writerow(["file", "label", "score", "problem"])
             for file, row in zip(decoded["file"], shifted / shifted.sum(axis=1, keepdims=True)):
-                writer.writerow([file, names[int(row.argmax())], f"{row.max():.6f}"])
+                writer.writerow([file, names[int(row.argmax())], f"{row.max():.6f}", ""])
         for item in skipped:  # missing or unreadable files stay visible in the output
-            writer.writerow([images[item["row"]]["file"], "", item["problem"]])
+            writer.writerow([images[item["row"]]["file"], "", "", item["problem"]])
     logger.info("Wrote %d predictions to %s", len(decoded) + len(skipped), path)
 
 
