@@ -286,6 +286,8 @@ def test_an_unreachable_hub_is_one_line_before_any_data_or_model(tmp_path, tiny_
             f"error: could not reach the Hugging Face Hub to download {what}: "
         ), last
         assert "to work offline pass local paths" in last and "Traceback" not in result.stderr
+        # one API call, not a download retried with backoff (about 25 s and a warning per try)
+        assert "huggingface_hub.utils._http" not in result.stderr, result.stderr[-2000:]
 
 
 def test_the_cards_reproduce_command_is_the_launch_as_typed():

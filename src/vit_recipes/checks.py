@@ -13,7 +13,14 @@ from pathlib import Path
 
 from .data import resolve_source
 from .errors import RecipeError
-from .hub import LOCAL_BUILDERS, check_push_ready, hub_error_message, offline_env, written_as_path
+from .hub import (
+    LOCAL_BUILDERS,
+    check_push_ready,
+    hub_error_message,
+    offline_env,
+    reachable_or_cached,
+    written_as_path,
+)
 from .launch import is_true, visible_gpus
 from .memory import host_memory_for, model_size_from_args
 from .run_dir import WRITE_PROBE
@@ -348,6 +355,8 @@ def check_hub(args) -> None:
     check_push_ready(args.training)
     model, dataset = args.model, resolve_source(args.data.dataset_name)[0] if args.data.dataset_name else None
     if _hub_id(model.model_name_or_path):
+        what, name = f"download the model '{model.model_name_or_path}'", model.model_name_or_path
+        reachable_or_cached(name, model.cache_dir, model.model_revision, what, missing=_as_path(name))
         try:  # the cached copy when there is one; offline without one, or unreachable, raises
             huggingface_hub.hf_hub_download(
                 model.model_name_or_path, "config.json", revision=model.model_revision, cache_dir=model.cache_dir
@@ -360,11 +369,7 @@ def check_hub(args) -> None:
                     f"model '{model.model_name_or_path}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: "
                     "pass a local checkpoint folder (--model_name_or_path ./checkpoint) or unset HF_HUB_OFFLINE"
                 ) from None
-            raise RecipeError(
-                hub_error_message(
-                    err, f"download the model '{model.model_name_or_path}'", missing=_as_path(model.model_name_or_path)
-                )
-            ) from None
+            raise RecipeError(hub_error_message(err, what, missing=_as_path(name))) from None
     cached_only = offline_env() or is_true(os.environ.get("HF_DATASETS_OFFLINE"))  # datasets then reads its cache
     if _hub_id(dataset) and not cached_only:
         try:

@@ -79,6 +79,21 @@ def is_network_error(err: BaseException) -> bool:
     return bool(transport and isinstance(err, transport) and not isinstance(err, HfHubHTTPError))
 
 
+def reachable_or_cached(name: str, cache_dir: str | None, revision: str | None, what: str, missing=None) -> None:
+    """A Hub model id neither cached nor reachable: one line now. A file download retries a dead network with
+    backoff (about 25 s, a warning per try); one API call does not."""
+    if offline_env() or written_as_path(name) or os.path.exists(os.path.expanduser(name)):
+        return
+    if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json", cache_dir, revision), str):
+        return
+    try:
+        huggingface_hub.HfApi().model_info(name, revision=revision, timeout=10)
+    except Exception as err:
+        if any(is_network_error(e) for e in (err, err.__cause__, err.__context__) if e is not None):
+            raise RecipeError(hub_error_message(err, what, missing=missing)) from None
+        # anything else (not found, gated): the download that follows says it
+
+
 def hub_error_message(err: Exception, what: str, local_path: str | None = None, missing: str | None = None) -> str:
     """One line for a failed Hub call (push or download); `local_path` names where the run's files are; `missing`, a
     name that could also be a local folder but is not one here (`data/digits`): said first."""

@@ -8,7 +8,7 @@ import logging
 import os
 
 from .errors import RecipeError, first_line
-from .hub import hub_error_message, is_network_error, offline_env, written_as_path
+from .hub import offline_env, reachable_or_cached, written_as_path
 
 logger = logging.getLogger(__name__)
 GIB = 2**30
@@ -23,7 +23,7 @@ def load_config(name: str, cache_dir: str | None = None, revision: str = "main")
 
     if name in CONFIG_MAPPING_NAMES:
         return AutoConfig.for_model(name)
-    _reachable_or_cached(name, cache_dir, revision)
+    reachable_or_cached(name, cache_dir, revision, f"download the config of '{name}'")
     try:
         return AutoConfig.from_pretrained(os.path.expanduser(name), cache_dir=cache_dir, revision=revision)
     except (OSError, ValueError) as err:
@@ -36,23 +36,6 @@ def load_config(name: str, cache_dir: str | None = None, revision: str = "main")
             f"cannot load model '{name}': {first_line(err)} (a local checkpoint folder or Hub id; offline, "
             "use a local path or --config_name to train from scratch)"
         ) from None
-
-
-def _reachable_or_cached(name: str, cache_dir: str | None, revision: str) -> None:
-    """A Hub id neither cached nor reachable: one line now. The config download retries a dead network with backoff
-    (about 25 s); one API call does not."""
-    import huggingface_hub
-
-    if offline_env() or written_as_path(name) or os.path.exists(os.path.expanduser(name)):
-        return
-    if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json", cache_dir, revision), str):
-        return
-    try:
-        huggingface_hub.HfApi().model_info(name, revision=revision, timeout=10)
-    except Exception as err:
-        if any(is_network_error(e) for e in (err, err.__cause__, err.__context__) if e is not None):
-            raise RecipeError(hub_error_message(err, f"download the config of '{name}'")) from None
-        # anything else (not found, gated): the download below says it as before
 
 
 def model_size(config) -> tuple[int, int]:
