@@ -138,7 +138,7 @@ def test_an_unreachable_hub_id_is_one_line_without_the_downloads_retries(monkeyp
     import huggingface_hub
     import transformers
 
-    from vit_recipes import memory
+    from vit_recipes import hub, memory
     from vit_recipes.errors import RecipeError
 
     http = importlib.import_module(huggingface_hub.errors.HTTPError.__module__)  # httpx (hub 1.x) or httpx2 (2.x)
@@ -150,7 +150,7 @@ def test_an_unreachable_hub_id_is_one_line_without_the_downloads_retries(monkeyp
         raise AssertionError("the retrying download must not start")
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(memory, "offline_env", lambda: False)
+    monkeypatch.setattr(hub, "offline_env", lambda: False)
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", download)
     with pytest.raises(RecipeError, match="^could not reach the Hugging Face Hub to download the config of 'org/vit'"):
