@@ -107,6 +107,7 @@ def test_pipeline_matches_script_and_predict_csv(digits_dir, tmp_path, run_scrip
         "--eval_strategy",
         "no",
     )
+    print(f"margin digits (seed {TRAIN_SEED}): test accuracy {results['test_accuracy']:.3f}")
     assert results["test_accuracy"] > 0.6, "a tiny ViT learns digits within a few epochs"
     with open(out / "predictions.csv") as f:
         rows = list(csv.DictReader(f))

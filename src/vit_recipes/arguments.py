@@ -57,7 +57,11 @@ class ModelArguments:
         "its card is local or cached, else the card claims none.",
     )
     cache_dir: str | None = _arg(None, "Where to cache Hub downloads.")
-    attn_implementation: str = _arg("sdpa", "Attention kernel: 'sdpa' (fused, default) or 'eager'.")
+    attn_implementation: str = _arg(
+        "auto",
+        "Attention kernel: 'auto' (SDPA where the model has it, else eager; one log line says which), 'sdpa' or "
+        "'eager'.",
+    )
     patch_embedding_matmul: bool = _arg(
         True,
         "Compute the patch embedding (a convolution whose kernel equals its stride) as one matmul over the flattened "

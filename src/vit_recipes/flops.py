@@ -14,33 +14,38 @@ PEAK_FLOPS = {
 
 
 @functools.lru_cache(maxsize=8)
-def _forward_flops(config_json: str) -> float:
+def _forward_flops(config_json: str, size: int) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING
+
+    from .memory import classifier_class
 
     config = AutoConfig.for_model(**json.loads(config_json))
     # The class itself, not from_config: under ZeRO-3, from_config would partition it with deepspeed.zero.Init.
     with torch.device("meta"):  # no memory, no arithmetic: only shapes flow through
-        model = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)](config)
-        size = config.image_size[0] if isinstance(config.image_size, (list, tuple)) else config.image_size
+        model = classifier_class(config)(config)
         pixels = torch.empty(1, getattr(config, "num_channels", 3), size, size)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(pixel_values=pixels)
     return float(counter.get_total_flops())
 
 
-def forward_flops(config) -> float:
-    """Forward FLOPs of one image through the model `config` describes (a multiply-add is 2 FLOPs)."""
-    return _forward_flops(config.to_json_string(use_diff=False))
+def forward_flops(config, image_size: int | None = None) -> float:
+    """Forward FLOPs of one image (image_size square, default the config's) through the model `config` describes
+    (a multiply-add is 2 FLOPs)."""
+    size = image_size or config.image_size
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    return _forward_flops(config.to_json_string(use_diff=False), int(size))
 
 
-def training_flops_per_image(config, gradient_checkpointing: bool, method: str = "full") -> float:
+def training_flops_per_image(
+    config, gradient_checkpointing: bool, method: str = "full", image_size: int | None = None
+) -> float:
     """Forward + backward FLOPs per training image, for MFU. Backward is twice the forward (input and weight
     gradients) and checkpointing recomputes the forward; a frozen backbone (LoRA) computes no weight gradients, and
     head-only training does not backpropagate through it."""
-    forward = forward_flops(config)
+    forward = forward_flops(config, image_size)
     if method == "head":
         return forward
     total = (4.0 if gradient_checkpointing else 3.0) * forward

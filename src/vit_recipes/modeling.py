@@ -33,7 +33,7 @@ from .lora import (
     is_adapter_dir,
     unwrap,
 )
-from .memory import config_from_args
+from .memory import classifier_class, config_from_args
 from .patch_embedding import use_patch_matmul
 
 try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way
@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)  # ViT's own normalisation
 
 
-def check_config(config: PretrainedConfig, source: str) -> int:
-    """Reject configs that cannot classify images; return the input resolution."""
+def check_config(config: PretrainedConfig, source: str, processor_size: int | None = None) -> int:
+    """Reject configs that cannot classify images; return the input resolution (the config's image_size, else
+    `processor_size`, what the checkpoint's image processor feeds it: ResNet's config has none)."""
     if config.model_type not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         raise RecipeError(
             f"'{source}' is a {config.model_type} model, not an image-classification one; use a "
@@ -56,7 +57,12 @@ def check_config(config: PretrainedConfig, source: str) -> int:
     sizes = [getattr(config, key, None) for key in ("image_size", "patch_size")]
     image_size, patch_size = (size[0] if isinstance(size, (list, tuple)) else size for size in sizes)
     if not isinstance(image_size, int) or image_size <= 0:
-        raise RecipeError(f"'{source}' has no usable image_size in its config")
+        image_size = processor_size
+    if not isinstance(image_size, int) or image_size <= 0:
+        raise RecipeError(
+            f"'{source}' has no usable image_size in its config and no image processor that gives one: save its "
+            "preprocessor_config.json beside it (or pass --image_processor_name)"
+        )
     if patch_size and image_size % patch_size:
         raise RecipeError(f"image_size {image_size} is not divisible by patch_size {patch_size}; pick a multiple")
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
@@ -78,8 +84,8 @@ def build_model(model_args, label_names: list[str]):
     same_head = pretrained and old_labels == count and getattr(config, "id2label", {}) == id2label
     config.num_labels = count
     config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
-    image_size = check_config(config, source)
-    kwargs = {"config": config, "attn_implementation": model_args.attn_implementation}
+    image_size = check_config(config, source, processor_image_size(model_args))
+    kwargs = {"config": config, "attn_implementation": attention_for(config, model_args.attn_implementation)}
     if pretrained:
         loader, name = AutoModelForImageClassification.from_pretrained, source
         revision, cache_dir = model_args.model_revision, model_args.cache_dir
@@ -90,7 +96,7 @@ def build_model(model_args, label_names: list[str]):
             if is_deepspeed_zero3_enabled():  # ZeRO-3 ignores ignore_mismatched_sizes: leave the old head out
                 state_dict = zero3_state_dict_for_new_head(source, config, revision, cache_dir)
                 if state_dict is not None:  # transformers takes a state_dict instead of a name, not with one
-                    model_class = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
+                    model_class = classifier_class(config)
                     loader, name, kwargs["state_dict"] = model_class.from_pretrained, None, state_dict
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # transformers' load report (mismatched/new head weights): logged above
@@ -121,6 +127,42 @@ def build_model(model_args, label_names: list[str]):
         logger.info("Training from scratch: %s with %.1fM parameters", config.model_type, millions)
     use_patch_matmul(model, model_args.patch_embedding_matmul)
     return model, image_size
+
+
+def attention_for(config: PretrainedConfig, asked: str) -> str | None:
+    """The attention implementation to build with: 'auto' is transformers' own choice (SDPA where the model class
+    has it, else eager); 'sdpa' on a class without it is one line here, not transformers' traceback."""
+    model_class = classifier_class(config)
+    has_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
+    if asked == "auto":
+        logger.info("Attention: %s", "sdpa" if has_sdpa else f"eager ({model_class.__name__} has no SDPA kernel)")
+        return None
+    if asked == "sdpa" and not has_sdpa:
+        raise RecipeError(
+            f"{model_class.__name__} has no SDPA attention: drop --attn_implementation (auto picks eager for it) or "
+            "pass --attn_implementation eager"
+        )
+    return asked
+
+
+def processor_image_size(model_args) -> int | None:
+    """The square input the checkpoint's image processor produces (its crop, else its resize), or None."""
+    source = model_args.image_processor_name or model_args.model_name_or_path
+    if not source:
+        return None
+    try:
+        processor = AutoImageProcessor.from_pretrained(source, cache_dir=model_args.cache_dir)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    for key in ("crop_size", "size"):
+        size = getattr(processor, key, None)
+        if key == "crop_size" and not getattr(processor, "do_center_crop", False):
+            continue
+        size = dict(size) if size else {}
+        value = size.get("height") or size.get("shortest_edge")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 @dataclass
@@ -243,7 +285,7 @@ def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", c
         files = [resolve(shard) for shard in shards]
     if not files or not all(files) or type(config) not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
         return None  # .bin checkpoints (or no classifier for this config): leave them to transformers
-    model_class = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
+    model_class = classifier_class(config)
     with init_empty_weights():
         expected = {k: tuple(v.shape) for k, v in model_class(config).state_dict().items()}
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

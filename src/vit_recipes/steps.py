@@ -88,7 +88,7 @@ def load_data(args: RunArguments) -> ImageSplits:
     return splits
 
 
-def _meter(plan: RunPlan, model, args: RunArguments, method: str) -> SpeedMeter:
+def _meter(plan: RunPlan, model, args: RunArguments, method: str, image_size: int) -> SpeedMeter:
     """The speed meter, with MFU where the GPU's peak rate is known."""
     peak = peak_flops(torch.cuda.get_device_name(), plan.precision) if plan.device == "cuda" else None
     flops = None
@@ -96,7 +96,7 @@ def _meter(plan: RunPlan, model, args: RunArguments, method: str) -> SpeedMeter:
         logger.warning("No MFU with --patch_dropout: the FLOP count assumes every patch")
     elif peak:
         try:
-            flops = training_flops_per_image(model.config, args.training.gradient_checkpointing, method)
+            flops = training_flops_per_image(model.config, args.training.gradient_checkpointing, method, image_size)
         except Exception as err:  # noqa: BLE001 - a model the meta-device count cannot run: no MFU, say why
             logger.info("No MFU: counting this model's FLOPs failed (%s)", first_line(err, 200))
     return SpeedMeter(plan.global_batch, flops, peak * plan.strategy.world_size if peak else None)
@@ -135,7 +135,7 @@ def build_trainer(
     trainer.run_identity, trainer.threshold = plan.identity, args.data.multi_label_threshold
     check_adapter_strategy(trainer, finetune)  # LoRA under FSDP/ZeRO-3: set-ups that could not save the adapter
     drop_zero3_leaf_modules(trainer, finetune)
-    meter = _meter(plan, model, args, finetune.method)
+    meter = _meter(plan, model, args, finetune.method, image_size)
     attach_observability(trainer, args.observe, meter)
     return trainer, meter
 

@@ -1,0 +1,87 @@
+"""Image classifiers other than ViT, each a tiny random config saved with its family's image processor (as on the
+Hub): the script's defaults train, evaluate and save it, and pipeline() on the saved folder predicts what the
+script's predictions.csv says."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from conftest import FAST_ARGS
+
+CHANNELS = [8, 16, 16, 16]
+
+
+def tiny(family: str):
+    """(config, image processor) of a tiny random model of `family`, 32x32 input."""
+    import transformers as tf
+
+    vit_like = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    square = {"height": 32, "width": 32}
+    if family == "deit":
+        return tf.DeiTConfig(image_size=32, patch_size=8, **vit_like), tf.ViTImageProcessor(size=square)
+    if family == "beit":
+        return tf.BeitConfig(image_size=32, patch_size=8, **vit_like), tf.BeitImageProcessor(size=square)
+    if family == "dinov2":
+        config = tf.Dinov2Config(image_size=32, patch_size=8, **vit_like)
+        return config, tf.BitImageProcessor(size={"shortest_edge": 32}, crop_size=square)
+    if family == "swin":
+        config = tf.SwinConfig(
+            image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=4
+        )
+        return config, tf.ViTImageProcessor(size=square)
+    if family == "convnext":
+        config = tf.ConvNextConfig(depths=[1, 1, 1, 1], hidden_sizes=CHANNELS, image_size=32)
+        return config, tf.ConvNextImageProcessor(size={"shortest_edge": 32}, crop_pct=1.0)
+    if family == "resnet":  # its config has no image_size: the processor's says what it is fed
+        config = tf.ResNetConfig(depths=[1, 1, 1, 1], hidden_sizes=CHANNELS, embedding_size=8)
+        return config, tf.ConvNextImageProcessor(size={"shortest_edge": 32}, crop_pct=1.0)
+    raise ValueError(family)
+
+
+FAMILIES = ["deit", "beit", "dinov2", "swin", "convnext", "resnet"]
+
+
+@pytest.fixture(scope="module")
+def predict_folder(cifar_like, tmp_path_factory) -> Path:
+    """Six of the test images as PNG files."""
+    from datasets import load_dataset
+
+    folder = tmp_path_factory.mktemp("to_predict")
+    for i, row in enumerate(load_dataset(str(cifar_like), split="test").select(range(6))):
+        row["img"].save(folder / f"{i}.png")
+    return folder
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_trains_saves_and_reloads_with_pipeline(family, cifar_like, predict_folder, tmp_path, run_script):
+    import torch
+    from transformers import AutoModelForImageClassification, pipeline
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as NAMES
+
+    torch.manual_seed(0)
+    config, processor = tiny(family)
+    names = NAMES[config.model_type]
+    config.architectures = [names if isinstance(names, str) else names[0]]  # as a Hub checkpoint's config names it
+    source = tmp_path / family
+    AutoModelForImageClassification.from_config(config).save_pretrained(source)
+    processor.save_pretrained(source)
+    out = tmp_path / "out"
+    results = run_script("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", out,
+                         "--max_steps", "2", "--per_device_train_batch_size", "8", "--do_train", "true", "--do_eval", "true",
+                         "--do_predict", "true",
+                         "--predict_images", predict_folder, *FAST_ARGS, "--plots", "false")  # fmt: skip
+    assert "test_accuracy" in results and results["train_loss"] > 0
+    with open(out / "predictions.csv") as f:
+        ours = {row["file"]: row for row in csv.DictReader(f)}
+    classify = pipeline("image-classification", model=str(out), device="cpu")
+    for name, row in ours.items():
+        best = classify(str(predict_folder / name), top_k=1)[0]
+        assert (best["label"], best["score"]) == (row["label"], pytest.approx(float(row["score"]), abs=1e-4)), name
+    if family in ("convnext", "resnet"):  # no attention: the default picked eager; asking for SDPA is one line
+        from vit_recipes.errors import RecipeError
+
+        with pytest.raises(RecipeError, match=r"ForImageClassification has no SDPA attention: drop --attn_impl"):
+            run_script("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", tmp_path / "x",
+                       "--attn_implementation", "sdpa", *FAST_ARGS)  # fmt: skip
