@@ -185,7 +185,8 @@ def test_metrics_and_per_class_report_match_sklearn(seed, tmp_path):
 def test_real_digit_mosaics_beat_a_frozen_backbone(digit_mosaics, tmp_path, run_script, capsys):
     """Full fine-tuning of a tiny ViT on mosaics of real digit scans vs the same run on a frozen random backbone
     (a linear probe), 20 epochs each; docs/usage.md ("Multi-label") records the same setup trained for 40 epochs.
-    Margins measured over seeds 0-4 x OMP_NUM_THREADS 1/2/4/unset x AVX-512/AVX2 kernels."""
+    Margins measured on a 2-core x86 box over VIT_TEST_SEED 42/43 x OMP_NUM_THREADS 1/2 (fp32: the same numbers at
+    either thread count)."""
     model = save_tiny_vit(tmp_path / "tiny")
     settings = ("--num_train_epochs", "20", "--learning_rate", "3e-3", "--per_device_train_batch_size", "32")
     settings += (
@@ -213,8 +214,8 @@ def test_real_digit_mosaics_beat_a_frozen_backbone(digit_mosaics, tmp_path, run_
     gain = full["test_mean_average_precision"] - head["test_mean_average_precision"]
     print(f"margin multi-label (seed {TRAIN_SEED}): mAP full {full['test_mean_average_precision']:.3f}, head "
           f"{head['test_mean_average_precision']:.3f}; F1 micro {full['test_f1_micro']:.3f} vs {every_digit_f1:.3f}")  # fmt: skip
-    assert gain > 0.15, runs  # measured +0.33 to +0.39 (full 0.86-0.92, head 0.52-0.53); no gain means broken
-    assert full["test_f1_micro"] > every_digit_f1 + 0.15, runs  # measured 0.78-0.84 vs 0.46
+    assert gain > 0.15, runs  # measured +0.35 to +0.36 (full 0.880-0.885, head 0.53); none: broken
+    assert full["test_f1_micro"] > every_digit_f1 + 0.15, runs  # measured 0.80-0.81 vs 0.45
     out = tmp_path / "full"
     config = json.loads((out / "config.json").read_text())
     assert config["problem_type"] == "multi_label_classification" and config["id2label"]["3"] == "3"
@@ -255,7 +256,7 @@ def test_real_digit_mosaics_beat_a_frozen_backbone(digit_mosaics, tmp_path, run_
     hits = sum(len(set(names) & {str(d) for d in label}) for names, label in zip(predicted, labels))
     positives = sum(map(len, labels))
     print(f"predict: {hits} of {positives} digits found, {sum(map(len, predicted))} predicted")
-    assert hits >= 0.5 * positives  # most digits present are found: measured 0.75-0.77; 3 random guesses: 0.3
+    assert hits >= 0.5 * positives  # most digits present are found: measured 0.81; 3 random guesses: 0.3
 
 
 @pytest.mark.parametrize(

@@ -108,6 +108,7 @@ def test_pipeline_matches_script_and_predict_csv(digits_dir, tmp_path, run_scrip
         "no",
     )
     print(f"margin digits (seed {TRAIN_SEED}): test accuracy {results['test_accuracy']:.3f}")
+    # measured 0.807-0.877 over VIT_TEST_SEED 42/43 x OMP_NUM_THREADS 1/2; chance 0.1
     assert results["test_accuracy"] > 0.6, "a tiny ViT learns digits within a few epochs"
     with open(out / "predictions.csv") as f:
         rows = list(csv.DictReader(f))
@@ -284,5 +285,6 @@ def test_balanced_class_weights_raise_minority_recall_on_real_imbalanced_digits(
         card = (out / "README.md").read_text()
         assert "classes are imbalanced in train (6 to " in card and "balanced accuracy (mean per-class recall)" in card
     print(f"margin class weights (seed {TRAIN_SEED}): minority recall (classes 8, 9) {recall}")
+    # measured over VIT_TEST_SEED 42/43 x OMP_NUM_THREADS 1/2: none 0.0, balanced 0.51-0.58, balanced_sampler 0.34-0.72
     assert recall["balanced"] > recall["none"] + 0.15, recall
     assert recall["balanced_sampler"] > recall["none"] + 0.15, recall
