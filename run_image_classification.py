@@ -21,6 +21,7 @@ from vit_recipes.checks import check_hub, check_model
 from vit_recipes.data import decode_splits, imbalance
 from vit_recipes.errors import RecipeError
 from vit_recipes.fp8 import convert_to_fp8
+from vit_recipes.interrupt import RunInterrupted
 from vit_recipes.modeling import build_finetune_model, mean_std
 from vit_recipes.patch_dropout import add_patch_dropout
 from vit_recipes.plan import build_plan, configure
@@ -130,7 +131,11 @@ def cli() -> None:
             time.sleep(30)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C: one line instead of a traceback through the Trainer
+    except RunInterrupted as stop:  # SIGINT/SIGTERM during training: checkpoint saved at a step end (interrupt.py)
+        if launch.env_int("LOCAL_RANK", default=0) == 0:
+            print(f"\n{stop}", file=sys.stderr)  # on a new line: a progress bar stops mid-line
+        sys.exit(128 + stop.signum)
+    except KeyboardInterrupt:  # Ctrl-C outside training, or twice: one line instead of a traceback
         if launch.env_int("LOCAL_RANK", default=0) == 0:
             # on a new line: a progress bar stops mid-line
             print("\ninterrupted: the last complete checkpoint is kept; run the same command to resume from it",

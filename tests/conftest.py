@@ -186,3 +186,43 @@ def model_args(**kw):
     from vit_recipes.arguments import ModelArguments
 
     return ModelArguments(**{"model_name_or_path": None, **kw})
+
+
+def signal_at_step(argv, step: int, total: int, signals, pause: float = 0.0, group: bool = False, **popen):
+    """Run `argv`, send `signals` (a `pause` apart) once its progress bar shows `step` of `total` steps; return
+    (exit status, stderr) once it and (`group`) every process it started have ended. The bar is the Trainer's tqdm
+    on stderr, read as it is written. `group`: the signals go to its whole process group, as a terminal's Ctrl-C
+    or SLURM's scancel reach every process of a job."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    import psutil
+
+    # as from a terminal: a shell's background job (a CI runner) can inherit SIGINT ignored
+    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, preexec_fn=restore,
+                           start_new_session=group, **popen)  # fmt: skip
+    seen, reached = [], threading.Event()
+
+    def read():
+        for chunk in iter(lambda: run.stderr.read(64), ""):
+            seen.append(chunk)
+            shown = re.findall(rf"(\d+)/{total} \[", "".join(seen)[-400:])
+            if shown and int(shown[-1]) >= step:
+                reached.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert reached.wait(240), "".join(seen)[-3000:]
+    started = psutil.Process(run.pid).children(recursive=True)
+    for i, sig in enumerate(signals):
+        time.sleep(pause if i else 0)
+        os.killpg(run.pid, sig) if group else run.send_signal(sig)
+    run.wait(timeout=240)
+    psutil.wait_procs(started, timeout=240)
+    reader.join(timeout=30)
+    return run.returncode, "".join(seen)

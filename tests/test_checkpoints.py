@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_args
+from conftest import run_args, signal_at_step
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
@@ -309,30 +309,63 @@ def test_resuming_a_checkpoint_of_a_model_of_another_shape_does_not_ask_to_delet
                          "--resume_from_checkpoint", out / "checkpoint-2"))  # fmt: skip
 
 
-def test_ctrl_c_during_training_is_one_line_and_keeps_the_last_checkpoint(cifar_like, tiny_vit, tmp_path):
-    """It was a 97-line traceback ending in KeyboardInterrupt."""
+def test_sigterm_at_a_random_step_saves_a_checkpoint_and_the_same_command_ends_as_the_uninterrupted_run(
+    cifar_like, tiny_vit, tmp_path, run_script
+):
+    """SIGTERM (what SLURM and cloud preemption send) mid-training: the run saves checkpoint-N at the next step end,
+    says so in one line and exits 143; the same command resumes from it to the uninterrupted run's weights. It was a
+    97-line traceback (SIGINT) or an exit without a word (SIGTERM)."""
     import os
+    import random
     import signal
-    import subprocess
     import sys
-    import time
 
     from conftest import ROOT
 
-    out = tmp_path / "out"
-    # a run far longer than the test waits: the signal always comes during training
-    argv = [sys.executable, str(ROOT / "run_image_classification.py"),
-            *map(str, args(cifar_like, tiny_vit, out, "--max_steps", "100000", *SAVE_EVERY_2))]  # fmt: skip
-    # as from a terminal: a shell's background job (a CI runner) can inherit SIGINT ignored
-    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    run = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE,
-                           stdout=subprocess.DEVNULL, text=True, preexec_fn=restore)  # fmt: skip
-    deadline = time.time() + 240
-    while not list(out.glob(f"checkpoint-*/{CHECKPOINT_RECORD}")) and time.time() < deadline and run.poll() is None:
-        time.sleep(0.1)
-    run.send_signal(signal.SIGINT)
-    stderr = run.communicate(timeout=120)[1]
-    assert run.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
-    lines = [x.strip() for x in stderr.replace("\r", "\n").splitlines() if x.strip() and "it/s]" not in x[-30:]]
-    assert lines[-1] == "interrupted: the last complete checkpoint is kept; run the same command to resume from it"
-    assert list(out.glob(f"checkpoint-*/{CHECKPOINT_RECORD}")), "a complete checkpoint is kept"
+    steps = 150
+    flags = ("--max_steps", str(steps), "--save_strategy", "no", "--do_eval", "false")
+    run_script(*args(cifar_like, tiny_vit, tmp_path / "whole", *flags))
+    out = tmp_path / "stopped"
+    command = [sys.executable, str(ROOT / "run_image_classification.py"), *map(str, args(cifar_like, tiny_vit, out,
+                                                                                       *flags))]  # fmt: skip
+    at = random.Random().randint(5, 100)
+    status, stderr = signal_at_step(command, at, steps, [signal.SIGTERM], cwd=ROOT, env={**os.environ,
+                                                                                           "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert status == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.replace("\r", "\n").strip().splitlines()[-1]
+    step = int(last.split()[3].rstrip(";"))
+    assert last == f"interrupted at step {step}; checkpoint-{step} saved; run the same command to resume", last
+    assert at <= step < steps and (out / f"checkpoint-{step}" / CHECKPOINT_RECORD).is_file()
+    assert not (out / "all_results.json").exists() and not (out / "model.safetensors").exists()
+    run_script(*args(cifar_like, tiny_vit, out, *flags))  # the same command
+    a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0, f"stopped at step {step}"
+
+
+def test_a_signal_stops_at_the_next_step_end_a_forwarded_copy_is_ignored_and_a_later_one_stops_at_once(monkeypatch):
+    import os
+    import signal
+    import types
+
+    from transformers import TrainerControl
+
+    from vit_recipes import interrupt
+
+    clock = [100.0]
+    monkeypatch.setattr(interrupt.time, "monotonic", lambda: clock[0])
+    stop, control, state = interrupt.StopOnSignal(), TrainerControl(), types.SimpleNamespace(global_step=7)
+    stop.on_train_begin(None, state, control)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: training goes on to the step end
+        clock[0] += 0.5
+        os.kill(os.getpid(), signal.SIGINT)  # half a second later: a launcher forwarding the stop, ignored
+        stop.on_step_end(None, state, control)
+        assert control.should_save and control.should_training_stop and stop.stopped_at == 7
+        assert stop.signum == signal.SIGTERM
+        clock[0] += interrupt.REPEAT_AFTER
+        with pytest.raises(KeyboardInterrupt):  # a user who will not wait for the save
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGTERM) is not stop._received  # handlers restored on the way out
+    finally:
+        stop.on_train_end(None, state, control)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

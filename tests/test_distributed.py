@@ -985,6 +985,37 @@ def test_zero2_killed_mid_checkpoint_then_the_same_command_matches_the_uninterru
     assert done["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_zero2_sigterm_at_a_random_step_saves_on_both_ranks_and_the_same_command_matches_the_uninterrupted_run(
+    zero2_run, ten_classes, same_head_vit, tmp_path
+):
+    """SIGTERM to every process of a 2-process `deepspeed` run (as scancel sends it; the launcher then forwards its
+    own): both ranks agree on the step, save checkpoint-N, and the run says so in one line; the same command resumes
+    to the uninterrupted run's weights."""
+    import random
+    import signal
+
+    from conftest import signal_at_step
+
+    out = tmp_path / "run"
+    args = run_args(ten_classes, same_head_vit, out, "--deepspeed", "ds_configs/zero2.json",
+                    "--per_device_train_batch_size", 4, "--save_strategy", "steps", "--save_steps", 10)  # fmt: skip
+    command = [tool("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "run_image_classification.py"]
+    at = random.Random().randint(2, STEPS - 6)
+    _, stderr = signal_at_step([*command, *map(str, args)], at, STEPS, [signal.SIGTERM], group=True, cwd=ROOT,
+                               env=launch_env())  # fmt: skip
+    lines = [x for x in stderr.replace("\r", "\n").splitlines() if x.startswith("interrupted at step ")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-4000:]  # rank 0 alone says it
+    step = int(lines[0].split()[3].rstrip(";"))
+    assert lines[0] == f"interrupted at step {step}; checkpoint-{step} saved; run the same command to resume"
+    assert at <= step < STEPS and (out / f"checkpoint-{step}" / "run_identity.json").is_file()
+    assert not (out / "all_results.json").exists()
+    launch("zero2 rerun", [*command, *map(str, args)])
+    a, b = load_file(out / "model.safetensors"), load_file(zero2_run / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=f"{key}, stopped at step {step}")
+
+
 # ------------------------------------------------------------------ several machines on one host, and launch errors
 
 

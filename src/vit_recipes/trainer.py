@@ -17,6 +17,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 from .adapters import without_activation_wrappers
 from .card import write_model_card
 from .errors import RecipeError, first_line
+from .interrupt import RunInterrupted, StopOnSignal
 from .run_dir import mark_complete, write_loss_record
 from .transforms import smooth_targets
 
@@ -89,6 +90,8 @@ class ImageClassificationTrainer(Trainer):
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
         self.add_callback(_StopAtTheLastStep())
+        self.stop_on_signal = StopOnSignal()  # SIGINT/SIGTERM: checkpoint at the next step end, then stop
+        self.add_callback(self.stop_on_signal)
         # Profiler regions: data, augment, forward, backward (DeepSpeed's includes its optimizer step) here.
         backward = self.accelerator.backward
 
@@ -122,10 +125,15 @@ class ImageClassificationTrainer(Trainer):
             ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
             ds_config.setdefault("checkpoint", {})["load_universal"] = universal
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next
             self.is_in_train = False
             return TrainOutput(self.state.global_step, 0.0, {})
+        finally:
+            self.stop_on_signal.on_train_end(self.args, self.state, self.control)  # handlers off, however it ended
+        if self.stop_on_signal.stopped_at is not None:  # saved on a signal: not a finished run
+            raise RunInterrupted(self.stop_on_signal.stopped_at, self.stop_on_signal.signum)
+        return output
 
     def mean_loss_sum(self) -> float:
         """`loss_sum` averaged over the ranks, as the Trainer's train_loss averages them (a collective: every rank)."""

@@ -1,0 +1,75 @@
+"""Interruption as a feature: SIGINT (Ctrl-C) or SIGTERM (SLURM, cloud preemption, a launcher stopping its workers)
+during training saves a checkpoint at the next step boundary, then the run stops with one line. A second signal more
+than REPEAT_AFTER seconds later stops it at once; sooner, it is the same stop delivered twice (a terminal's Ctrl-C
+reaches the workers and their launcher, which then forwards a SIGTERM). Neither transformers nor accelerate handles
+these signals: the Trainer offers the control flags a callback sets (should_save, should_training_stop), and this
+module sets them."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import torch
+from transformers import TrainerCallback
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_AFTER = 2.0  # seconds: a second signal sooner than this is a launcher forwarding the first
+
+
+class RunInterrupted(Exception):
+    """Training stopped on a signal after saving checkpoint-`step` (raised once the Trainer has returned)."""
+
+    def __init__(self, step: int, signum: int):
+        super().__init__(f"interrupted at step {step}; checkpoint-{step} saved; run the same command to resume")
+        self.step, self.signum = step, signum
+
+
+class StopOnSignal(TrainerCallback):
+    """Catches SIGINT/SIGTERM while the Trainer trains; at the next step end, every rank agrees that some rank was
+    signalled (a launcher may signal its workers a moment apart, so one rank can see it a step before another) and
+    asks the Trainer to save a checkpoint and stop."""
+
+    def __init__(self):
+        self.signum: int | None = None  # the first signal received
+        self._first_at = 0.0
+        self.stopped_at: int | None = None  # the step whose checkpoint the stop saved
+        self._previous: dict = {}
+        self._group = None  # a CPU (gloo) process group: agreeing costs no GPU synchronisation
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.signum = self.stopped_at = None
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")  # every rank calls on_train_begin: a collective call
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            self._previous = {s: signal.signal(s, self._received) for s in SIGNALS}
+
+    def _received(self, signum, frame):
+        if self.signum is None:
+            self.signum, self._first_at = signum, time.monotonic()
+            return
+        if time.monotonic() - self._first_at < REPEAT_AFTER:
+            return
+        self._restore()  # a second signal: stop now, as without this handler
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signalled = torch.tensor([0 if self.signum is None else int(self.signum)], dtype=torch.int32)
+        if self._group is not None:
+            torch.distributed.all_reduce(signalled, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        if signalled.item():
+            self.signum = self.signum or int(signalled.item())
+            self.stopped_at = state.global_step
+            control.should_save = control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._restore()
+
+    def _restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
