@@ -215,6 +215,9 @@ def test_plots_say_when_train_loss_is_smoothed_and_draw_amounts_from_zero(tmp_pa
     loss = curves.axes[0]
     labels = [line.get_label() for line in loss.get_lines()]
     assert labels == ["train, label smoothing 0.1", "validation (no smoothing)"]
+    figures.clear()
+    plots.write_plots([*train, {"step": 20, "eval_loss": 1.5}], str(tmp_path), 0.0)  # no smoothing: nothing to say
+    assert [line.get_label() for line in figures[0].axes[0].get_lines()] == ["train", "validation"]
     assert loss.get_lines()[0].get_marker() == "o"  # two points only: each drawn
     memory = throughput.axes[-1]
     assert memory.get_title() == "GPU memory allocated per rank" and memory.get_ylim()[0] == 0  # not a 0.55 cliff

@@ -41,7 +41,7 @@ def _grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[Figure,
 # What each logged key is, for people: (title, y-axis label). Others: the key in words, unit-less.
 _FRACTION = "fraction (1 = all)"
 _KNOWN = {
-    "loss": ("Loss", "loss (per image)"),
+    "loss": ("Loss", "loss (batch mean)"),  # per image, or per image and label (multi-label)
     "learning_rate": ("Learning rate", "learning rate"),
     "grad_norm": ("Gradient norm (mean over each logging window)", "L2 norm, before clipping"),
     "accuracy": ("Accuracy", _FRACTION),
@@ -114,7 +114,8 @@ def plot_training_curves(history: list[dict], path: str, label_smoothing: float 
         if key == "loss":
             eval_steps, eval_values = _series(history, "eval_loss")
             if eval_steps:
-                ax.plot(eval_steps, eval_values, marker="o", label="validation (no smoothing)")
+                suffix = " (no smoothing)" if label_smoothing else ""
+                ax.plot(eval_steps, eval_values, marker="o", label=f"validation{suffix}")
         _finish(ax, *describe(key), legend=key == "loss")
     return _save(fig, path)
 
