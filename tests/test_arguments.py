@@ -33,7 +33,7 @@ def test_recipe_sets_values_and_command_line_overrides(tmp_path):
 def test_defaults_without_recipe(tmp_path):
     args = parse_args(["--dataset_name", "cifar100", "--output_dir", str(tmp_path)])
     assert args.model.model_name_or_path == "google/vit-base-patch16-224-in21k"
-    assert args.model.attn_implementation == "sdpa"
+    assert args.model.attn_implementation == "auto"
     assert args.training.remove_unused_columns is False
     assert args.training.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert args.training.dataloader_num_workers >= 1

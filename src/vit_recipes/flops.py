@@ -19,7 +19,7 @@ def _forward_flops(config_json: str, size: int) -> float:
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoConfig
 
-    from .memory import classifier_class
+    from .classifiers import classifier_class
 
     config = AutoConfig.for_model(**json.loads(config_json))
     # The class itself, not from_config: under ZeRO-3, from_config would partition it with deepspeed.zero.Init.

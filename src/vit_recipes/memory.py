@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
+from .classifiers import classifier_class
 from .errors import RecipeError, first_line
 from .hub import offline_env, reachable_or_cached, written_as_path
 
@@ -38,27 +39,15 @@ def load_config(name: str, cache_dir: str | None = None, revision: str = "main")
         ) from None
 
 
-def classifier_class(config):
-    """The image-classification class transformers builds for `config`. Some families map to several (DeiT: with and
-    without its distillation head): the one the config names, else the first, the plain classifier."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING
-
-    try:
-        found = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
-    except KeyError:
-        raise RecipeError(f"'{config.model_type}' is not an image-classification model") from None
-    if not isinstance(found, (list, tuple)):
-        return found
-    named = [c for c in found if c.__name__ in (getattr(config, "architectures", None) or [])]
-    return (named or list(found))[0]
-
-
 def model_size(config) -> tuple[int, int]:
     """(parameters, parameters of the largest layer) of the classification model, built on the meta device."""
     from accelerate import init_empty_weights
     from accelerate.utils import calculate_maximum_sizes
 
-    model_class = classifier_class(config)
+    try:
+        model_class = classifier_class(config)
+    except KeyError:
+        raise RecipeError(f"'{config.model_type}' is not an image-classification model") from None
     # The class itself, not from_config: under ZeRO-3, from_config would partition it with deepspeed.zero.Init.
     with init_empty_weights():
         model = model_class(config)

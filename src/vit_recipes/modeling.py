@@ -22,6 +22,7 @@ from transformers.models.auto.modeling_auto import (
 from transformers.utils import logging as hf_logging
 
 from .arguments import LoraArguments, ModelArguments
+from .classifiers import classifier_class
 from .errors import RecipeError, first_line
 from .lora import (
     adapter_base,
@@ -33,7 +34,7 @@ from .lora import (
     is_adapter_dir,
     unwrap,
 )
-from .memory import classifier_class, config_from_args
+from .memory import config_from_args
 from .patch_embedding import use_patch_matmul
 
 try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way

@@ -1,0 +1,16 @@
+"""Which transformers class classifies images for a config: what the script builds, sizes and counts FLOPs of."""
+
+from __future__ import annotations
+
+
+def classifier_class(config):
+    """The image-classification class transformers builds for `config` (KeyError when there is none). Some families
+    map to several (DeiT: with and without its distillation head): the one the config names, else the first, the
+    plain classifier."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING
+
+    found = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]
+    if not isinstance(found, (list, tuple)):
+        return found
+    named = [c for c in found if c.__name__ in (getattr(config, "architectures", None) or [])]
+    return (named or list(found))[0]
