@@ -329,8 +329,8 @@ def test_sigterm_at_a_random_step_saves_a_checkpoint_and_the_same_command_ends_a
     command = [sys.executable, str(ROOT / "run_image_classification.py"), *map(str, args(cifar_like, tiny_vit, out,
                                                                                        *flags))]  # fmt: skip
     at = random.Random().randint(5, 100)
-    status, stderr = signal_at_step(command, at, steps, [signal.SIGTERM], cwd=ROOT, env={**os.environ,
-                                                                                           "OMP_NUM_THREADS": "1"})  # fmt: skip
+    # this process's environment: the same thread count as the in-process runs, so the same float sums
+    status, stderr = signal_at_step(command, at, steps, [signal.SIGTERM], cwd=ROOT, env=os.environ)
     assert status == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
     last = stderr.replace("\r", "\n").strip().splitlines()[-1]
     step = int(last.split()[3].rstrip(";"))
@@ -353,6 +353,7 @@ def test_a_signal_stops_at_the_next_step_end_a_forwarded_copy_is_ignored_and_a_l
 
     clock = [100.0]
     monkeypatch.setattr(interrupt.time, "monotonic", lambda: clock[0])
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (CI may start it ignored)
     stop, control, state = interrupt.StopOnSignal(), TrainerControl(), types.SimpleNamespace(global_step=7)
     stop.on_train_begin(None, state, control)
     try:
@@ -368,4 +369,26 @@ def test_a_signal_stops_at_the_next_step_end_a_forwarded_copy_is_ignored_and_a_l
         assert signal.getsignal(signal.SIGTERM) is not stop._received  # handlers restored on the way out
     finally:
         stop.on_train_end(None, state, control)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        restored = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, before)
+    assert restored is signal.default_int_handler
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    """nohup, or a shell's background job: SIGINT ignored on purpose is not turned into a stop."""
+    import signal
+    import types
+
+    from transformers import TrainerControl
+
+    from vit_recipes import interrupt
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = interrupt.StopOnSignal()
+    try:
+        stop.on_train_begin(None, types.SimpleNamespace(global_step=0), TrainerControl())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._received
+    finally:
+        stop.on_train_end(None, None, None)
+        signal.signal(signal.SIGINT, before)

@@ -44,7 +44,9 @@ class StopOnSignal(TrainerCallback):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # every rank calls on_train_begin: a collective call
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            self._previous = {s: signal.signal(s, self._received) for s in SIGNALS}
+            # a signal ignored on purpose (nohup, a shell's background job) stays ignored
+            wanted = [s for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+            self._previous = {s: signal.signal(s, self._received) for s in wanted}
 
     def _received(self, signum, frame):
         if self.signum is None:
