@@ -85,3 +85,56 @@ def test_each_family_trains_saves_and_reloads_with_pipeline(family, cifar_like, 
         with pytest.raises(RecipeError, match=r"ForImageClassification has no SDPA attention: drop --attn_impl"):
             run_script("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", tmp_path / "x",
                        "--attn_implementation", "sdpa", *FAST_ARGS)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "flags", "refusal"),
+    [
+        (
+            "convnext",
+            ("--gradient_checkpointing", "true"),
+            "transformers has no activation checkpointing for ConvNext",
+        ),
+        ("resnet", ("--gradient_checkpointing", "true"), "transformers has no activation checkpointing for ResNet"),
+        ("swin", ("--patch_dropout", "0.5"), "--patch_dropout needs a ViT-style model .* SwinForImage"),
+        ("convnext", ("--patch_dropout", "0.5"), "--patch_dropout needs a ViT-style model .* ConvNextForImage"),
+    ],
+)
+def test_a_vit_only_feature_on_another_family_is_one_line_before_any_data(
+    family, flags, refusal, tmp_path, run_script
+):
+    """It was a transformers traceback after the data was decoded (gradient checkpointing)."""
+    from transformers import AutoModelForImageClassification
+
+    from vit_recipes.errors import RecipeError
+
+    config, processor = tiny(family)
+    source = tmp_path / family
+    AutoModelForImageClassification.from_config(config).save_pretrained(source)
+    processor.save_pretrained(source)
+    with pytest.raises(RecipeError, match=refusal):  # no such dataset: the refusal comes before data is read
+        run_script("--dataset_name", tmp_path / "no_data_yet", "--model_name_or_path", source, "--output_dir",
+                   tmp_path / "out", "--do_train", "true", *flags, *FAST_ARGS)  # fmt: skip
+
+
+def test_lora_on_a_convolutional_model_suggests_real_module_names_and_they_train(cifar_like, tmp_path, run_script):
+    """ConvNeXt has no attention to adapt: the refusal lists its layers, none a bare Sequential index ('1' matched
+    every second child of every Sequential), and the listed names train as LoRA targets."""
+    import re
+
+    from transformers import AutoModelForImageClassification
+
+    from vit_recipes.errors import RecipeError
+
+    config, processor = tiny("convnext")
+    source = tmp_path / "convnext"
+    AutoModelForImageClassification.from_config(config).save_pretrained(source)
+    processor.save_pretrained(source)
+    common = ("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", tmp_path / "out",
+              "--do_train", "true", "--max_steps", "2", "--use_peft", "true", *FAST_ARGS, "--plots", "false")  # fmt: skip
+    with pytest.raises(RecipeError, match="no attention query/value projections") as refused:
+        run_script(*common)
+    suggested = re.search(r"some of its layers: (.*)$", str(refused.value))[1].split(", ")
+    assert "downsampling_layer.1" in suggested and not any(name.isdigit() for name in suggested), suggested
+    results = run_script(*common, "--lora_target_modules", "pwconv1", "pwconv2", "downsampling_layer.1")
+    assert 0 < results["train_trainable_params"] < results["train_total_params"]

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .classifiers import classifier_class
 from .data import resolve_source
 from .errors import RecipeError
 from .hub import (
@@ -22,7 +23,8 @@ from .hub import (
     written_as_path,
 )
 from .launch import is_true, visible_gpus
-from .memory import host_memory_for, model_size_from_args
+from .memory import config_from_args, host_memory_for, model_size_from_args
+from .patch_dropout import token_embeddings
 from .run_dir import WRITE_PROBE
 
 
@@ -75,6 +77,8 @@ def check_plan(plan, args) -> None:
         check_host_memory(strategy, args.model)
     if getattr(t, "fp8", False):
         check_fp8(cpu, t, args.lora.use_peft)
+    if t.gradient_checkpointing or args.augment.patch_dropout:
+        check_model_family(args)
     check_resume(strategy, plan.resume_from)  # before the output dir's refusal: it says more about ZeRO shards
     if plan.output.refusal:
         raise RecipeError(plan.output.refusal)
@@ -188,6 +192,26 @@ def _check_deepspeed(plan, t) -> None:
             f"{name}: zero_hpz_partition_size {hpz} does not divide the {strategy.world_size} processes: set it to "
             "the number of GPUs per node"
         )
+
+
+def check_model_family(args) -> None:
+    """Features some model families lack, refused before any data loads: gradient checkpointing (transformers has
+    none for e.g. ConvNeXt or ResNet) and patch dropout (ViT-style models with a [CLS] token only)."""
+    from accelerate import init_empty_weights
+
+    try:
+        config = config_from_args(args.model)[0]
+        model_class = classifier_class(config)
+    except (RecipeError, KeyError, ValueError, OSError):  # no config to read yet: build_model says why
+        return
+    if args.training.gradient_checkpointing and not getattr(model_class, "supports_gradient_checkpointing", False):
+        raise RecipeError(
+            f"--gradient_checkpointing: transformers has no activation checkpointing for {model_class.__name__}; "
+            "drop the flag (or lower the batch size to fit memory)"
+        )
+    if args.augment.patch_dropout:
+        with init_empty_weights():  # on the meta device: no memory, no weights read
+            token_embeddings(model_class(config))
 
 
 def check_host_memory(strategy, model_args) -> None:

@@ -47,7 +47,10 @@ def in_head(name: str, heads: list[str]) -> bool:
 
 
 def _leaf_names(names) -> list[str]:
-    return sorted({name.rsplit(".", 1)[-1] for name in names})
+    """The last part of each module name, as peft matches targets; an index in a Sequential (ConvNeXt's
+    `downsampling_layer.1`) keeps its parent's name, since `1` alone would match every second child anywhere."""
+    return sorted({".".join(name.split(".")[-2:]) if name.rsplit(".", 1)[-1].isdigit() else name.rsplit(".", 1)[-1]
+                   for name in names})  # fmt: skip
 
 
 def _matches(name: str, target: str) -> bool:

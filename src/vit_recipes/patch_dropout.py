@@ -15,7 +15,7 @@ from .errors import RecipeError
 logger = logging.getLogger(__name__)
 
 
-def _embeddings(model: nn.Module) -> tuple[nn.Module, int]:
+def token_embeddings(model: nn.Module) -> tuple[nn.Module, int]:
     """The module whose output is [prefix tokens, patch tokens] + positions, and how many prefix tokens it has."""
     for module in model.modules():
         if type(module).__name__.endswith("Embeddings") and isinstance(
@@ -40,7 +40,7 @@ def add_patch_dropout(model: nn.Module, rate: float) -> int:
     """Drop `rate` of the patch tokens of every training forward of `model`; returns the patches kept per image."""
     if rate <= 0:
         return 0
-    embeddings, prefix = _embeddings(model)
+    embeddings, prefix = token_embeddings(model)
     size, patch = (
         v[0] if isinstance(v, (list, tuple)) else v for v in (model.config.image_size, model.config.patch_size)
     )
