@@ -479,6 +479,27 @@ def test_adapter_is_saved_pushed_and_reloads_with_the_same_accuracy(
     ours = load_model(out)
     x = torch.rand(4, 3, 16, 16)
     torch.testing.assert_close(plain(pixel_values=x).logits, ours(pixel_values=x).logits)
+    # Reload 3, as docs/lora.md shows: pipeline() on the model inside the PeftModel, quietly, the same scores
+    import io
+    import logging
+
+    from PIL import Image
+    from transformers import pipeline
+
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        classify = pipeline(
+            "image-classification", model=ours.get_base_model(), image_processor=str(out), device="cpu"
+        )
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert "is not supported" not in said.getvalue(), said.getvalue()[:300]
+    image = Image.fromarray((np.random.default_rng(0).random((16, 16, 3)) * 255).astype("uint8"))
+    best = classify(image, top_k=1)[0]
+    logits = ours(**classify.image_processor(image, return_tensors="pt")).logits[0]
+    assert best["score"] == pytest.approx(float(logits.softmax(-1).max()), abs=1e-5)
 
 
 @pytest.mark.slow
