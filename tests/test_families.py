@@ -14,7 +14,17 @@ CHANNELS = [8, 16, 16, 16]
 
 
 def tiny(family: str):
-    """(config, image processor) of a tiny random model of `family`, 32x32 input."""
+    """(config, image processor) of a tiny random model of `family`, 32x32 input; the config names its class, as a
+    Hub checkpoint's does."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as NAMES
+
+    config, processor = _tiny(family)
+    names = NAMES[config.model_type]
+    config.architectures = [names if isinstance(names, str) else names[0]]
+    return config, processor
+
+
+def _tiny(family: str):
     import transformers as tf
 
     vit_like = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
@@ -58,12 +68,9 @@ def predict_folder(cifar_like, tmp_path_factory) -> Path:
 def test_each_family_trains_saves_and_reloads_with_pipeline(family, cifar_like, predict_folder, tmp_path, run_script):
     import torch
     from transformers import AutoModelForImageClassification, pipeline
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as NAMES
 
     torch.manual_seed(0)
     config, processor = tiny(family)
-    names = NAMES[config.model_type]
-    config.architectures = [names if isinstance(names, str) else names[0]]  # as a Hub checkpoint's config names it
     source = tmp_path / family
     AutoModelForImageClassification.from_config(config).save_pretrained(source)
     processor.save_pretrained(source)
@@ -138,3 +145,40 @@ def test_lora_on_a_convolutional_model_suggests_real_module_names_and_they_train
     assert "downsampling_layer.1" in suggested and not any(name.isdigit() for name in suggested), suggested
     results = run_script(*common, "--lora_target_modules", "pwconv1", "pwconv2", "downsampling_layer.1")
     assert 0 < results["train_trainable_params"] < results["train_total_params"]
+
+
+def test_the_fsdp_config_wrapping_vit_layers_names_the_layer_class_of_another_family(monkeypatch):
+    """accelerate_configs/fsdp.yaml wraps ViTLayer: on a Swin, accelerate stopped with "Could not find the transformer
+    layer class" at prepare; one line names Swin's own layer class instead."""
+    import types
+
+    from transformers import AutoModelForImageClassification
+
+    from vit_recipes.checks import check_fsdp_wrap
+    from vit_recipes.errors import RecipeError
+    from vit_recipes.plan import read_strategy
+
+    model = AutoModelForImageClassification.from_config(tiny("swin")[0])
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "ViTLayer")
+    with pytest.raises(RecipeError, match=r"names ViTLayer, which SwinForImageClassification does not have: wrap its "
+                                          r"layer class \(SwinStage\) with accelerate launch"):  # fmt: skip
+        check_fsdp_wrap(read_strategy(types.SimpleNamespace(world_size=2)), model)
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "SwinStage")
+    check_fsdp_wrap(read_strategy(types.SimpleNamespace(world_size=2)), model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_memory_advisor_and_the_flop_count_size_each_family(family):
+    """What tools/advise.py and MFU read: parameters (and the largest layer) from the model built on the meta device,
+    and FLOPs of one forward at the input size (ResNet's from its processor: its config has none)."""
+    from transformers import AutoModelForImageClassification
+
+    from vit_recipes.flops import forward_flops
+    from vit_recipes.memory import model_size
+
+    config = tiny(family)[0]
+    params, largest = model_size(config)
+    assert params == sum(p.numel() for p in AutoModelForImageClassification.from_config(config).parameters())
+    assert 0 < largest < params
+    assert forward_flops(config, image_size=32) > 2 * params  # at least one multiply-add per weight

@@ -343,6 +343,14 @@ def check_fsdp_wrap(strategy, model) -> None:
         return
     named = strategy.fsdp_wrap is not None
     names = list(strategy.fsdp_wrap) if named else list(getattr(model, "_no_split_modules", None) or [])
+    present = {type(m).__name__ for m in model.modules()}
+    if named and (absent := [n for n in names if n not in present]):  # another family than the config's (ViT)
+        layers = [n for n in getattr(model, "_no_split_modules", None) or [] if n in present and "Embed" not in n]
+        raise RecipeError(
+            f"the FSDP wrap list names {', '.join(absent)}, which {type(model).__name__} does not have: wrap its "
+            f"layer class ({', '.join(layers) or 'see its modules'}) with accelerate launch "
+            "--fsdp_transformer_layer_cls_to_wrap, or fsdp_transformer_layer_cls_to_wrap in the accelerate config"
+        )
     embed = getattr(model, "get_input_embeddings", lambda: None)()
     if embed is None:
         return

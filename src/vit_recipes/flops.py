@@ -24,7 +24,7 @@ def _forward_flops(config_json: str, size: int) -> float:
     config = AutoConfig.for_model(**json.loads(config_json))
     # The class itself, not from_config: under ZeRO-3, from_config would partition it with deepspeed.zero.Init.
     with torch.device("meta"):  # no memory, no arithmetic: only shapes flow through
-        model = classifier_class(config)(config)
+        model = classifier_class(config)(config).eval()  # the same FLOPs; BatchNorm takes a batch of 1
         pixels = torch.empty(1, getattr(config, "num_channels", 3), size, size)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(pixel_values=pixels)
