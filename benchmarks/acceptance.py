@@ -14,7 +14,8 @@ Hub (CIFAR-100-shaped PNGs, randomly initialised ViT-B/16 and ViT-H/14), then ch
 - kill: DDP, ZeRO-2, ZeRO-3, FSDP2 killed with SIGKILL (every process of the run: torchrun starts each worker in a
   session of its own, so killing the launcher's process group leaves them training) once checkpoint-10 is complete,
   then the same command again: it resumes from checkpoint-10 and ends on the uninterrupted run's weights
-  (WEIGHT_TOLERANCE);
+  (WEIGHT_TOLERANCE); DDP (torchrun) and ZeRO-2 (deepspeed) get SIGTERM instead once checkpoint-10 is complete: one
+  line `interrupted at step N; checkpoint-N saved`, and the same command resumes from checkpoint-N to those weights;
 - resume: DDP, ZeRO-1, ZeRO-2, FSDP2 checkpoints resumed on another GPU count (all -> 1 and 1 -> all, global batch
   kept): steps 11-30 within LOSS_TOLERANCE of the uninterrupted run's; ZeRO-3 on another count: its one-line refusal;
 - single (one GPU): the default command (regional compilation), --patch_dropout 0.5, LoRA (saved, merged, reloaded),
@@ -70,6 +71,7 @@ STRATEGY_RUNS = {
     "fsdp2_offload": ("accelerate", "FSDP"),
 }
 KILLED = ("ddp", "zero2", "zero3", "fsdp2")
+SIGNALLED = ("ddp", "zero2")  # SIGTERM through each launcher: torchrun forwards it, DeepSpeed's workers get it too
 CROSS_COUNT = ("ddp", "zero1", "zero2", "fsdp2")
 
 
@@ -85,6 +87,7 @@ class Job:
     output: Path | None = None  # the run's --output_dir
     seed_from: Path | None = None  # copy this checkpoint (and its run's run_config.json) into output first
     kill_when: Path | None = None  # SIGKILL every process of the run once this file exists
+    term_when: Path | None = None  # SIGTERM the launcher's process group once this file exists (as scancel does)
     soft: bool = False  # runs once its needs have ended, whether they succeeded or not
     timeout: int = 420
     result: dict = field(default_factory=dict)
@@ -214,6 +217,12 @@ class Suite:
                 killed.kill_when = out / f"checkpoint-{SAVE_EVERY}" / "run_identity.json"
                 # needs the uninterrupted run too: the final weights are compared with its own
                 self.training(f"resume-{s}", "kill", s, n, out=out, report=False, needs=(killed.name, s))
+            for s in [s for s in SIGNALLED if s in strategies]:
+                out = self.work / f"term-{s}"
+                stopped = self.training(f"term-{s}", "kill", s, n, out=out, report=False)
+                stopped.term_when = out / f"checkpoint-{SAVE_EVERY}" / "run_identity.json"
+                self.training(f"resume-term-{s}", "kill", s, n, out=out, report=False, needs=(stopped.name, s),
+                              soft=True)  # fmt: skip
         if "resume" in parts and (n > 1 or self.cpu):
             for s in [s for s in CROSS_COUNT if s in strategies]:
                 # all -> 1: the uninterrupted run's checkpoint, resumed by the same command on one GPU
@@ -283,11 +292,21 @@ class Suite:
                     job.result["killed_pids"] = kill_tree(proc.pid)  # a crash of the whole machine's share of the run
                     job.result["killed_at"] = sorted(p.name for p in job.output.glob("checkpoint-*"))
                     self.log(f"{name}: SIGKILL once {job.kill_when.parent.name} was complete")
+                if job.term_when and job.term_when.exists() and proc.poll() is None and "term_pids" not in job.result:
+                    job.result["term_pids"] = [proc.pid, *(c.pid for c in _children(proc.pid))]
+                    os.killpg(proc.pid, signal.SIGTERM)  # the workers save at the next step end, then stop
+                    self.log(f"{name}: SIGTERM once {job.term_when.parent.name} was complete")
                 timeout = time.time() - start > job.timeout or self.over_budget()
                 if timeout:
                     kill_tree(proc.pid)
                 if proc.poll() is not None or timeout:
                     proc.wait()
+                    if "term_pids" in job.result:  # a launcher may end before its workers finish their save
+                        import psutil
+
+                        psutil.wait_procs([p for p in map(_process, job.result["term_pids"]) if p], timeout=120)
+                        job.result["after_term"] = sorted(p.name for p in job.output.glob("checkpoint-*"))
+                        job.result["results_after_term"] = (job.output / "all_results.json").exists()
                     if "killed_pids" in job.result:  # what a killed run left: every process gone, nothing written
                         time.sleep(1)
                         job.result["alive_after_kill"] = [pid for pid in job.result["killed_pids"] if _alive(pid)]
@@ -373,6 +392,20 @@ class Suite:
 
 
 # ------------------------------------------------------------------------------------------------------ checks
+def _process(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _children(pid: int) -> list:
+    process = _process(pid)
+    return process.children(recursive=True) if process else []
+
+
 def _alive(pid: int) -> bool:
     import psutil
 
@@ -500,6 +533,28 @@ def check(suite: Suite) -> list[dict]:
             add("kill", f"{s}: resumed to step {STEPS}, same weights as the uninterrupted run", f"resume-{s}",
                 worst <= WEIGHT_TOLERANCE and state.get("global_step") == STEPS and resumed,
                 f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'} from checkpoint-{SAVE_EVERY}; "
+                f"{detail}")  # fmt: skip
+    for s in SIGNALLED:
+        if f"term-{s}" not in suite.jobs:
+            continue
+        stopped = suite.jobs[f"term-{s}"].result
+        said = re.findall(r"interrupted at step (\d+); checkpoint-\1 saved; run the same command to resume",
+                          log_text(suite, f"term-{s}"))  # fmt: skip
+        step = int(said[-1]) if said else None
+        saved = step is not None and (w / f"term-{s}" / f"checkpoint-{step}" / "run_identity.json").exists()
+        ok = (stopped.get("exit") not in (0, None) and "term_pids" in stopped and len(said) == 1 and saved
+              and SAVE_EVERY <= step < STEPS and not stopped.get("results_after_term"))  # fmt: skip
+        add("kill", f"{s}: SIGTERM during training saves a checkpoint at the next step and says so in one line",
+            f"term-{s}", ok, f"exit {stopped.get('exit')}, {len(said)} line(s) {said}, checkpoints after "
+            f"{stopped.get('after_term')}, results written {stopped.get('results_after_term')}")  # fmt: skip
+        if ok and ran("kill", f"resume-term-{s}", f"{s}: the same command resumes after SIGTERM"):
+            state = _json(w / f"term-{s}" / "trainer_state.json")
+            resumed = re.search(rf"Resuming the run found in .* from .*checkpoint-{step}\b",
+                                log_text(suite, f"resume-term-{s}")) is not None  # fmt: skip
+            worst, detail = compare_weights(w / f"term-{s}", w / s)
+            add("kill", f"{s}: resumed after SIGTERM to step {STEPS}, same weights as the uninterrupted run",
+                f"resume-term-{s}", worst <= WEIGHT_TOLERANCE and state.get("global_step") == STEPS and resumed,
+                f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'} from checkpoint-{step}; "
                 f"{detail}")  # fmt: skip
     for s in CROSS_COUNT:
         for name, reference, where in ((f"to1-{s}", s, f"{suite.procs} -> 1"),

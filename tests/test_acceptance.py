@@ -50,6 +50,10 @@ def test_the_plan_runs_the_readme_commands_on_every_gpu(acceptance, tmp_path, gp
         killed, resumed = suite.jobs[f"kill-{s}"], suite.jobs[f"resume-{s}"]
         assert killed.argv == resumed.argv and resumed.needs == (killed.name, s)
         assert killed.kill_when == killed.output / "checkpoint-10" / "run_identity.json"
+    for s in acceptance.SIGNALLED:  # SIGTERM, then the same command
+        stopped, resumed = suite.jobs[f"term-{s}"], suite.jobs[f"resume-term-{s}"]
+        assert stopped.argv == resumed.argv and resumed.needs == (stopped.name, s) and stopped.kill_when is None
+        assert stopped.term_when == stopped.output / "checkpoint-10" / "run_identity.json"
     # Another GPU count needs two; one-GPU jobs through the strategy's own launcher
     assert any(n.startswith("to1-") for n in suite.jobs) == (gpus > 1)
     if gpus > 1:
@@ -66,7 +70,7 @@ def test_a_part_brings_the_runs_it_needs_and_no_more(acceptance, tmp_path):
     suite = suite_for(acceptance, 2, tmp_path, parts=["kill"])
     assert set(suite.jobs) == {"ddp", "zero2", "zero3", "fsdp2"} | {
         f"{k}-{s}" for k in ("kill", "resume") for s in acceptance.KILLED
-    }
+    } | {f"{k}-{s}" for k in ("term", "resume-term") for s in acceptance.SIGNALLED}
 
 
 def fake_run(out: Path, losses: dict[int, float], accuracy=0.4):
@@ -97,8 +101,24 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     (tmp_path / "logs" / "resume-zero2.log").write_text(
         f"WARNING Resuming the run found in {tmp_path}/kill-zero2 from {tmp_path}/kill-zero2/checkpoint-10\n"
     )
-    for run in ("kill-zero2", "zero2", "kill-fsdp2", "fsdp2"):  # the same weights: only the resume line differs
+    for run in ("kill-zero2", "zero2", "kill-fsdp2", "fsdp2", "term-zero2", "term-ddp", "ddp"):  # the same weights
         save_file({"w": torch.ones(2)}, tmp_path / run / "model.safetensors")
+    # SIGTERM: ZeRO-2 saved checkpoint-12, said so and resumed from it; DDP's run ended without its one line
+    term = {
+        "exit": 143,
+        "term_pids": [1],
+        "after_term": ["checkpoint-10", "checkpoint-12"],
+        "results_after_term": False,
+    }
+    suite.jobs["term-zero2"].result, suite.jobs["term-ddp"].result = term, {**term, "exit": 0}
+    (tmp_path / "term-zero2" / "checkpoint-12").mkdir(parents=True)
+    (tmp_path / "term-zero2" / "checkpoint-12" / "run_identity.json").write_text("{}")
+    (tmp_path / "logs" / "term-zero2.log").write_text(
+        "interrupted at step 12; checkpoint-12 saved; run the same command to resume\n"
+    )
+    (tmp_path / "logs" / "resume-term-zero2.log").write_text(
+        f"WARNING Resuming the run found in {tmp_path}/term-zero2 from {tmp_path}/term-zero2/checkpoint-12\n"
+    )
     (tmp_path / "scores").mkdir()
     for s in acceptance.STRATEGY_RUNS:
         (tmp_path / "scores" / f"{s}.json").write_text(json.dumps({"accuracy": 0.4, "images": 1000}))
@@ -110,6 +130,9 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     assert {f"{s}: killed (SIGKILL, every process) after a complete checkpoint" for s in ("ddp", "zero3")} <= failed
     assert "fsdp2: resumed to step 30, same weights as the uninterrupted run" in failed
     assert rows["zero2: resumed to step 30, same weights as the uninterrupted run"]["status"] == "PASS"
+    signalled = "SIGTERM during training saves a checkpoint at the next step and says so in one line"
+    assert rows[f"zero2: {signalled}"]["status"] == "PASS" and f"ddp: {signalled}" in failed
+    assert rows["zero2: resumed after SIGTERM to step 30, same weights as the uninterrupted run"]["status"] == "PASS"
     assert any(n.startswith("zero1: pipeline()") for n in failed) and not any(
         n.startswith("zero2: pipeline()") for n in failed
     )

@@ -312,9 +312,10 @@ def test_resuming_a_checkpoint_of_a_model_of_another_shape_does_not_ask_to_delet
 def test_sigterm_at_a_random_step_saves_a_checkpoint_and_the_same_command_ends_as_the_uninterrupted_run(
     cifar_like, tiny_vit, tmp_path, run_script
 ):
-    """SIGTERM (what SLURM and cloud preemption send) mid-training: the run saves checkpoint-N at the next step end,
-    says so in one line and exits 143; the same command resumes from it to the uninterrupted run's weights. It was a
-    97-line traceback (SIGINT) or an exit without a word (SIGTERM)."""
+    """SIGTERM (what SLURM and cloud preemption send) to every process mid-training: the run saves checkpoint-N at the
+    next step end, says so in one line and exits 143; the same command resumes from it to the uninterrupted run's
+    weights. It was a 97-line traceback (SIGINT) or an exit without a word (SIGTERM); with the handler alone, the
+    DataLoader worker died of the signal and took the run down mid-step."""
     import os
     import random
     import signal
@@ -323,14 +324,17 @@ def test_sigterm_at_a_random_step_saves_a_checkpoint_and_the_same_command_ends_a
     from conftest import ROOT
 
     steps = 150
-    flags = ("--max_steps", str(steps), "--save_strategy", "no", "--do_eval", "false")
+    # A DataLoader worker too: the signal reaches every process of the group, as from scancel or a terminal. No random
+    # crop or flip: on the CPU they draw from the generator each new worker iterator also draws its seed from.
+    flags = ("--max_steps", str(steps), "--save_strategy", "no", "--do_eval", "false", "--dataloader_num_workers", "1",
+             "--crop_scale_min", "1", "--hflip_prob", "0")  # fmt: skip
     run_script(*args(cifar_like, tiny_vit, tmp_path / "whole", *flags))
     out = tmp_path / "stopped"
     command = [sys.executable, str(ROOT / "run_image_classification.py"), *map(str, args(cifar_like, tiny_vit, out,
                                                                                        *flags))]  # fmt: skip
     at = random.Random().randint(5, 100)
     # this process's environment: the same thread count as the in-process runs, so the same float sums
-    status, stderr = signal_at_step(command, at, steps, [signal.SIGTERM], cwd=ROOT, env=os.environ)
+    status, stderr = signal_at_step(command, at, steps, [signal.SIGTERM], group=True, cwd=ROOT, env=os.environ)
     assert status == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
     last = stderr.replace("\r", "\n").strip().splitlines()[-1]
     step = int(last.split()[3].rstrip(";"))

@@ -40,6 +40,7 @@ class StopOnSignal(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.signum = self.stopped_at = None
+        kill_workers_at_exit()
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # every rank calls on_train_begin: a collective call
@@ -75,3 +76,39 @@ class StopOnSignal(TrainerCallback):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+
+def worker_ignores_stop_signals(then, worker_id: int) -> None:
+    """A DataLoader worker's init: SIGINT and SIGTERM are the main process's to handle (it saves at the step end, then
+    shuts its workers down). A terminal's Ctrl-C, scancel and a container stop signal every process, and torchrun
+    signals each worker's process group: a worker killed by one made the main process raise "DataLoader worker ...
+    is killed by signal" mid-step. Then `then` (the Trainer's seeding), if any."""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    if then is not None:
+        then(worker_id)
+
+
+def kill_workers_at_exit() -> None:
+    """Registered once in the main process: at exit, SIGKILL the daemonic children still alive (DataLoader workers of
+    an iterator never closed, e.g. on an error or a signal). multiprocessing's own exit hook stops them with SIGTERM,
+    which they ignore (worker_ignores_stop_signals), and then waits for them."""
+    global _exit_hook
+    if _exit_hook:
+        return
+    import atexit
+    import multiprocessing
+
+    def kill() -> None:
+        workers = [child for child in multiprocessing.active_children() if child.daemon]
+        if workers:  # torch's SIGCHLD handler would report each as "killed by signal": expected here
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in workers:
+            child.kill()
+            child.join(timeout=5)
+
+    atexit.register(kill)  # runs before multiprocessing's hook, registered at its import
+    _exit_hook = True
+
+
+_exit_hook = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
@@ -17,7 +18,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 from .adapters import without_activation_wrappers
 from .card import write_model_card
 from .errors import RecipeError, first_line
-from .interrupt import RunInterrupted, StopOnSignal
+from .interrupt import RunInterrupted, StopOnSignal, worker_ignores_stop_signals
 from .run_dir import mark_complete, write_loss_record
 from .transforms import smooth_targets
 
@@ -107,9 +108,15 @@ class ImageClassificationTrainer(Trainer):
         drop_last = self.args.dataloader_drop_last
         self.args.dataloader_drop_last = drop_last and is_training
         try:
-            return super()._get_dataloader(*args, is_training=is_training, **kwargs)
+            loader = super()._get_dataloader(*args, is_training=is_training, **kwargs)
         finally:
             self.args.dataloader_drop_last = drop_last
+        base = getattr(
+            loader, "base_dataloader", loader
+        )  # accelerate's DataLoaderShard iterates a DataLoader it holds
+        if base.num_workers > 0:  # read when the workers start, each time the loader is iterated
+            base.worker_init_fn = functools.partial(worker_ignores_stop_signals, base.worker_init_fn)
+        return loader
 
     def _get_train_sampler(self, train_dataset=None):
         if self.sample_weights is None:
