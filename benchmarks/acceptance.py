@@ -514,6 +514,17 @@ def check(suite: Suite) -> list[dict]:
             add(job.part, f"{run}: pipeline() on the saved model scores the run's test accuracy (within "
                 f"{SCORE_TOLERANCE * 100:.1f} points)", name, ok,
                 f"pipeline {scored['accuracy']:.4f} on {scored['images']} images, run {reported}")  # fmt: skip
+
+    def resumed_like_uninterrupted(title: str, s: str, folder: str, job: str, step: int) -> None:
+        """The rerun in `folder` resumed from checkpoint-`step` and ended on the uninterrupted run's weights."""
+        state = _json(w / folder / "trainer_state.json")
+        resumed = re.search(rf"Resuming the run found in .* from .*checkpoint-{step}\b", log_text(suite, job))
+        worst, detail = compare_weights(w / folder, w / s)
+        add("kill", f"{title} to step {STEPS}, same weights as the uninterrupted run", job,
+            worst <= WEIGHT_TOLERANCE and state.get("global_step") == STEPS and resumed is not None,
+            f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'} from checkpoint-{step}; "
+            f"{detail}")  # fmt: skip
+
     for s in KILLED:
         if f"kill-{s}" not in suite.jobs:
             continue
@@ -526,14 +537,7 @@ def check(suite: Suite) -> list[dict]:
             f"exit {killed.get('exit')}, {len(killed.get('killed_pids', []))} processes killed, {len(survivors)} "
             f"alive after; checkpoints at the kill {killed.get('killed_at')}, before the resume {after_kill}")  # fmt: skip
         if was_killed and ran("kill", f"resume-{s}", f"{s}: the same command again resumes"):
-            state = _json(w / f"kill-{s}" / "trainer_state.json")
-            resumed = re.search(rf"Resuming the run found in .* from .*checkpoint-{SAVE_EVERY}\b",
-                                log_text(suite, f"resume-{s}")) is not None  # fmt: skip
-            worst, detail = compare_weights(w / f"kill-{s}", w / s)
-            add("kill", f"{s}: resumed to step {STEPS}, same weights as the uninterrupted run", f"resume-{s}",
-                worst <= WEIGHT_TOLERANCE and state.get("global_step") == STEPS and resumed,
-                f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'} from checkpoint-{SAVE_EVERY}; "
-                f"{detail}")  # fmt: skip
+            resumed_like_uninterrupted(f"{s}: resumed", s, f"kill-{s}", f"resume-{s}", SAVE_EVERY)
     for s in SIGNALLED:
         if f"term-{s}" not in suite.jobs:
             continue
@@ -548,14 +552,7 @@ def check(suite: Suite) -> list[dict]:
             f"term-{s}", ok, f"exit {stopped.get('exit')}, {len(said)} line(s) {said}, checkpoints after "
             f"{stopped.get('after_term')}, results written {stopped.get('results_after_term')}")  # fmt: skip
         if ok and ran("kill", f"resume-term-{s}", f"{s}: the same command resumes after SIGTERM"):
-            state = _json(w / f"term-{s}" / "trainer_state.json")
-            resumed = re.search(rf"Resuming the run found in .* from .*checkpoint-{step}\b",
-                                log_text(suite, f"resume-term-{s}")) is not None  # fmt: skip
-            worst, detail = compare_weights(w / f"term-{s}", w / s)
-            add("kill", f"{s}: resumed after SIGTERM to step {STEPS}, same weights as the uninterrupted run",
-                f"resume-term-{s}", worst <= WEIGHT_TOLERANCE and state.get("global_step") == STEPS and resumed,
-                f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'} from checkpoint-{step}; "
-                f"{detail}")  # fmt: skip
+            resumed_like_uninterrupted(f"{s}: resumed after SIGTERM", s, f"term-{s}", f"resume-term-{s}", step)
     for s in CROSS_COUNT:
         for name, reference, where in ((f"to1-{s}", s, f"{suite.procs} -> 1"),
                                        (f"from1-{s}", f"one-{s}", f"1 -> {suite.procs}")):  # fmt: skip
