@@ -188,8 +188,8 @@ def model_args(**kw):
     return ModelArguments(**{"model_name_or_path": None, **kw})
 
 
-def signal_at_step(argv, step: int, total: int, signals, pause: float = 0.0, group: bool = False, **popen):
-    """Run `argv`, send `signals` (a `pause` apart) once its progress bar shows `step` of `total` steps; return
+def signal_at_step(argv, step: int, total: int, sig, group: bool = False, **popen):
+    """Run `argv`, send it `sig` once its progress bar shows `step` of `total` steps; return
     (exit status, stderr) once it and (`group`) every process it started have ended. The bar is the Trainer's tqdm
     on stderr, read as it is written. `group`: the signals go to its whole process group, as a terminal's Ctrl-C
     or SLURM's scancel reach every process of a job."""
@@ -198,7 +198,6 @@ def signal_at_step(argv, step: int, total: int, signals, pause: float = 0.0, gro
     import signal
     import subprocess
     import threading
-    import time
 
     import psutil
 
@@ -219,9 +218,10 @@ def signal_at_step(argv, step: int, total: int, signals, pause: float = 0.0, gro
     reader.start()
     assert reached.wait(240), "".join(seen)[-3000:]
     started = psutil.Process(run.pid).children(recursive=True)
-    for i, sig in enumerate(signals):
-        time.sleep(pause if i else 0)
-        os.killpg(run.pid, sig) if group else run.send_signal(sig)
+    if group:
+        os.killpg(run.pid, sig)
+    else:
+        run.send_signal(sig)
     run.wait(timeout=240)
     psutil.wait_procs(started, timeout=240)
     reader.join(timeout=30)

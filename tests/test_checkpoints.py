@@ -334,7 +334,7 @@ def test_sigterm_at_a_random_step_saves_a_checkpoint_and_the_same_command_ends_a
                                                                                        *flags))]  # fmt: skip
     at = random.Random().randint(5, 100)
     # this process's environment: the same thread count as the in-process runs, so the same float sums
-    status, stderr = signal_at_step(command, at, steps, [signal.SIGTERM], group=True, cwd=ROOT, env=os.environ)
+    status, stderr = signal_at_step(command, at, steps, signal.SIGTERM, group=True, cwd=ROOT, env=os.environ)
     assert status == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
     last = stderr.replace("\r", "\n").strip().splitlines()[-1]
     step = int(last.split()[3].rstrip(";"))

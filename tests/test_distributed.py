@@ -1002,7 +1002,7 @@ def test_zero2_sigterm_at_a_random_step_saves_on_both_ranks_and_the_same_command
                     "--per_device_train_batch_size", 4, "--save_strategy", "steps", "--save_steps", 10)  # fmt: skip
     command = [tool("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "run_image_classification.py"]
     at = random.Random().randint(2, STEPS - 6)
-    _, stderr = signal_at_step([*command, *map(str, args)], at, STEPS, [signal.SIGTERM], group=True, cwd=ROOT,
+    _, stderr = signal_at_step([*command, *map(str, args)], at, STEPS, signal.SIGTERM, group=True, cwd=ROOT,
                                env=launch_env())  # fmt: skip
     lines = [x for x in stderr.replace("\r", "\n").splitlines() if x.startswith("interrupted at step ")]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr[-4000:]  # rank 0 alone says it
