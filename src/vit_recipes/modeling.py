@@ -85,7 +85,10 @@ def build_model(model_args, label_names: list[str]):
     same_head = pretrained and old_labels == count and getattr(config, "id2label", {}) == id2label
     config.num_labels = count
     config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
-    image_size = check_config(config, source, processor_image_size(model_args))
+    # the processor only when the config has no size (ResNet): loading it costs start-up time
+    image_size = check_config(
+        config, source, None if getattr(config, "image_size", None) else processor_image_size(model_args)
+    )
     kwargs = {"config": config, "attn_implementation": attention_for(config, model_args.attn_implementation)}
     if pretrained:
         loader, name = AutoModelForImageClassification.from_pretrained, source
