@@ -182,3 +182,19 @@ def test_the_memory_advisor_and_the_flop_count_size_each_family(family):
     assert params == sum(p.numel() for p in AutoModelForImageClassification.from_config(config).parameters())
     assert 0 < largest < params
     assert forward_flops(config, image_size=32) > 2 * params  # at least one multiply-add per weight
+
+
+def test_the_image_processor_is_read_for_the_size_only_when_the_config_has_none(tiny_vit, monkeypatch):
+    """ResNet's config has no image_size (its processor gives 32 here); ViT's has one, and start-up reads no more."""
+    import types
+
+    from vit_recipes import modeling
+
+    def read(model_args):
+        raise AssertionError("a config with its own image_size must not load the image processor for it")
+
+    monkeypatch.setattr(modeling, "processor_image_size", read)
+    args = types.SimpleNamespace(model_name_or_path=str(tiny_vit), config_name=None, config_overrides=None,
+                                 cache_dir=None, model_revision="main", attn_implementation="auto",
+                                 image_processor_name=None, patch_embedding_matmul=False)  # fmt: skip
+    assert modeling.build_model(args, ["a", "b"])[1] == 16
