@@ -61,11 +61,13 @@ class StopOnSignal(TrainerCallback):
         raise SystemExit(128 + signum)
 
     def on_step_end(self, args, state, control, **kwargs):
-        signalled = torch.tensor([0 if self.signum is None else int(self.signum)], dtype=torch.int32)
-        if self._group is not None:
-            torch.distributed.all_reduce(signalled, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        if signalled.item():
-            self.signum = self.signum or int(signalled.item())
+        signalled = int(self.signum or 0)
+        if self._group is not None:  # the largest signal number any rank received
+            flag = torch.tensor([signalled], dtype=torch.int32)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+            signalled = int(flag.item())
+        if signalled:
+            self.signum = self.signum or signalled
             self.stopped_at = state.global_step
             control.should_save = control.should_training_stop = True
 
