@@ -44,13 +44,23 @@ def _tiny(family: str):
     if family == "convnext":
         config = tf.ConvNextConfig(depths=[1, 1, 1, 1], hidden_sizes=CHANNELS, image_size=32)
         return config, tf.ConvNextImageProcessor(size={"shortest_edge": 32}, crop_pct=1.0)
+    if family == "convnextv2":
+        config = tf.ConvNextV2Config(depths=[1, 1, 1, 1], hidden_sizes=CHANNELS, image_size=32)
+        return config, tf.ConvNextImageProcessor(size={"shortest_edge": 32}, crop_pct=1.0)
+    if family == "efficientnet":
+        config = tf.EfficientNetConfig(image_size=32, width_coefficient=0.1, depth_coefficient=0.1, hidden_dim=128)
+        return config, tf.EfficientNetImageProcessor(size=square)
+    if family == "mobilevit":
+        config = tf.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 16, 16], num_attention_heads=2,
+                                    neck_hidden_sizes=[8, 8, 16, 16, 16, 32, 64])  # fmt: skip
+        return config, tf.MobileViTImageProcessor(size={"shortest_edge": 32}, crop_size=square)
     if family == "resnet":  # its config has no image_size: the processor's says what it is fed
         config = tf.ResNetConfig(depths=[1, 1, 1, 1], hidden_sizes=CHANNELS, embedding_size=8)
         return config, tf.ConvNextImageProcessor(size={"shortest_edge": 32}, crop_pct=1.0)
     raise ValueError(family)
 
 
-FAMILIES = ["deit", "beit", "dinov2", "swin", "convnext", "resnet"]
+FAMILIES = ["deit", "beit", "dinov2", "swin", "convnext", "convnextv2", "efficientnet", "mobilevit", "resnet"]
 
 
 @pytest.fixture(scope="module")
