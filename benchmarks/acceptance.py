@@ -98,11 +98,10 @@ def kill_tree(pid: int) -> list[int]:
     its workers with start_new_session, so killpg of the launcher alone leaves them training). Returns the pids."""
     import psutil  # accelerate's dependency
 
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]  # listed first: a killed parent's children are reparented
-    except psutil.NoSuchProcess:
+    root = _process(pid)
+    if root is None:
         return []
+    procs = [root, *_children(pid)]  # listed first: a killed parent's children are reparented
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
@@ -305,13 +304,11 @@ class Suite:
                         import psutil
 
                         psutil.wait_procs([p for p in map(_process, job.result["term_pids"]) if p], timeout=120)
-                        job.result["after_term"] = sorted(p.name for p in job.output.glob("checkpoint-*"))
-                        job.result["results_after_term"] = (job.output / "all_results.json").exists()
+                        job.result.update(_left_on_disk(job.output, "term"))
                     if "killed_pids" in job.result:  # what a killed run left: every process gone, nothing written
                         time.sleep(1)
                         job.result["alive_after_kill"] = [pid for pid in job.result["killed_pids"] if _alive(pid)]
-                        job.result["after_kill"] = sorted(p.name for p in job.output.glob("checkpoint-*"))
-                        job.result["results_after_kill"] = (job.output / "all_results.json").exists()
+                        job.result.update(_left_on_disk(job.output, "kill"))
                     job.result.update(exit="timeout" if timeout else proc.returncode,
                                       seconds=round(time.time() - start, 1))  # fmt: skip
                     for g in placed:
@@ -413,6 +410,12 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _left_on_disk(output: Path, stop: str) -> dict:
+    """The checkpoints, and whether results, a stopped run's folder holds once its processes are gone."""
+    checkpoints = sorted(p.name for p in output.glob("checkpoint-*"))
+    return {f"after_{stop}": checkpoints, f"results_after_{stop}": (output / "all_results.json").exists()}
 
 
 def _json(path: Path) -> dict:
