@@ -191,7 +191,7 @@ def model_args(**kw):
 def signal_at_step(argv, step: int, total: int, sig, group: bool = False, **popen):
     """Run `argv`, send it `sig` once its progress bar shows `step` of `total` steps; return
     (exit status, stderr) once it and (`group`) every process it started have ended. The bar is the Trainer's tqdm
-    on stderr, read as it is written. `group`: the signals go to its whole process group, as a terminal's Ctrl-C
+    on stderr, read as it is written. `group`: the signal goes to its whole process group, as a terminal's Ctrl-C
     or SLURM's scancel reach every process of a job."""
     import os
     import re
