@@ -5,6 +5,8 @@ import json
 import logging
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 from conftest import ROOT, run_args
@@ -96,6 +98,23 @@ def test_step_metrics_per_log_interval(monkeypatch):
     callback.on_step_end(_Args, None, None)  # 0.25 s
     logs = callback.extend_logs({"loss": 1.0, "learning_rate": 1e-3}, _Args, None)
     assert logs["step_time_s"] == pytest.approx(0.25)
+
+
+def test_meter_records_the_wait_before_training_runs_at_speed(monkeypatch):
+    """Process start to the first step's end, and the warm-up steps' time (compilation lands there): what a user
+    waits for before the steady figures apply. The peer (benchmarks/peer.py) reports the same two through this meter."""
+    import psutil
+
+    clock = iter([0.0, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5, 3.6])  # the first step compiles
+    monkeypatch.setattr("vit_recipes.meter.time.perf_counter", lambda: next(clock))
+    meter = SpeedMeter(images_per_step=4)
+    meter.on_train_begin(_Args, None, None)
+    for step in range(1, 8):
+        meter.on_step_end(_Args, types.SimpleNamespace(global_step=step), None)
+    metrics = meter.metrics()
+    assert metrics["train_warmup_s"] == pytest.approx(3.4)  # through step 5 (SpeedMeter.warmup_steps)
+    assert 0 < metrics["train_first_step_after_start_s"] <= time.time() - psutil.Process().create_time()
+    assert metrics["train_step_time_s"] == pytest.approx(0.1)  # steps 6 and 7 only
 
 
 # --- End to end -----------------------------------------------------------------------------------------------

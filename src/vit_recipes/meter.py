@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import psutil
 import torch
 from transformers import TrainerCallback
 
@@ -44,9 +45,14 @@ class SpeedMeter(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._last, self._pending_data = time.perf_counter(), 0.0
+        self._began, self.startup = self._last, {}
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
+        if not self.startup:  # what a user waits for before training runs at speed
+            self.startup["first_step_after_start_s"] = time.time() - psutil.Process().create_time()
+        if len(self.startup) == 1 and getattr(state, "global_step", 0) >= self.warmup_steps:
+            self.startup["warmup_s"] = now - self._began  # the first steps: compilation, allocator, first batches
         if self._last is not None:
             after_warmup = getattr(state, "global_step", 0) > self.warmup_steps
             for t in (self.window, self.run) if after_warmup else (self.window,):
@@ -116,6 +122,7 @@ class SpeedMeter(TrainerCallback):
         figures = self._figures(self.run)
         digits = {"images_per_second": 2, "step_time_s": 5, "data_wait_fraction": 5, "mfu": 4}
         out = {f"train_{k}": round(v, digits[k]) for k, v in figures.items()}
+        out.update({f"train_{k}": round(v, 2) for k, v in getattr(self, "startup", {}).items()})
         if figures:
             out["train_time_20_steps_s"] = round(20 * figures["step_time_s"], 3)
         if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -4,15 +4,18 @@ loaded (`build_plan`) and applied to other libraries' settings (`configure`). No
 from __future__ import annotations
 
 import base64
+import hashlib
+import importlib.metadata
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import strategies
-from .arguments import RunArguments, compile_regions, run_config
+from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config
 from .checks import check_plan, config_value, deepspeed_checkpoint_world_size
 from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
@@ -223,6 +226,67 @@ def eager_if_compile_fails() -> None:
     dynamo_log.addFilter(one_line)
 
 
+# A cold regional compile costs as much as hundreds of steps save; from a warm cache it costs about a second.
+# docs/benchmarks.md ("When compilation pays") has the measurements behind this threshold.
+COMPILE_PAYS_AFTER_STEPS = 1000
+
+
+def planned_steps(t, train_images: int, global_batch: int) -> int:
+    """Optimizer steps the run will take (drop_last, as compiled runs drop each epoch's short batch)."""
+    return t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * max(1, train_images // global_batch))
+
+
+def compile_marker(model, t, plan: RunPlan) -> Path:
+    """A file standing for "inductor's caches hold this compiled model": keyed by torch, Triton, GPU, model config,
+    batch, precision and strategy. The caches key their own artifacts; this only predicts a warm compile."""
+    import torch
+
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else plan.device
+    parts = [torch.__version__, triton, gpu, model.config.to_json_string(), t.per_device_train_batch_size,
+             plan.precision, plan.strategy.name, t.torch_compile_mode]  # fmt: skip
+    key = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+    return compile_cache_dir() / "compiled_models" / key
+
+
+def decide_compile(plan: RunPlan, args: RunArguments, model, train_images: int) -> Path | None:
+    """Regional compilation where the command leaves it unset (training on a CUDA GPU): on when the compile cache
+    already holds this model and batch, or when the run is long enough to repay a cold compile; one line either way.
+    Returns the marker to write once a GPU training compiled, else None."""
+    t = args.training
+    if plan.device != "cuda" or not t.do_train:
+        return None
+    if t.torch_compile_regions is not None:  # asked for on the command line (or in the recipe)
+        return compile_marker(model, t, plan) if t.torch_compile_regions else None
+    if t.fp8 and t.fp8_backend == "transformer_engine":
+        logger.warning("Regional compilation off: Transformer Engine's FP8 layers run eagerly")
+        return None
+    if not plan.strategy.spec.supports("torch_compile_regions"):  # where it does not train correctly (ZeRO-3)
+        return None
+    marker, steps = compile_marker(model, t, plan), planned_steps(t, train_images, plan.global_batch)
+    if not (marker.exists() or steps >= COMPILE_PAYS_AFTER_STEPS):
+        logger.warning(
+            "Regional compilation off: %s steps would not repay a cold compile (it pays from %s; "
+            "--torch_compile_regions true compiles anyway)", f"{steps:,}", f"{COMPILE_PAYS_AFTER_STEPS:,}",
+        )  # fmt: skip
+        return None
+    compile_regions(t)
+    eager_if_compile_fails()
+    why = "the compile cache holds this model and batch" if marker.exists() else f"{steps:,} steps repay it"
+    logger.warning("Regional compilation on: %s (--torch_compile_regions false trains eagerly)", why)
+    return marker
+
+
+def remember_compiled(marker: Path | None) -> None:
+    """After a compiled training: the same command again expects a warm cache (and compiles whatever its steps)."""
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+
 def configure(plan: RunPlan, args: RunArguments) -> None:
     """Apply what the plan decided to the settings accelerate, the Trainer and DeepSpeed read later."""
     t, strategy = args.training, plan.strategy
@@ -250,13 +314,7 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
             t.activation_checkpointing = False
     if strategy.deepspeed:
         bind_deepspeed_comm()
-    auto = t.torch_compile_regions is None and t.do_train and plan.device == "cuda"
-    if auto and t.fp8 and t.fp8_backend == "transformer_engine":
-        logger.info("Regional compilation off: Transformer Engine's FP8 layers run eagerly")
-    elif auto and strategy.spec.supports("torch_compile_regions"):  # the fast default, where it trains correctly
-        compile_regions(t)
-        logger.info("Regional compilation on (the GPU default; --torch_compile_regions false trains eagerly)")
-    if t.torch_compile:
+    if t.torch_compile:  # asked for; unset, decide_compile chooses once the number of steps is known
         eager_if_compile_fails()
     saved = plan.resume_from and strategy.deepspeed and deepspeed_checkpoint_world_size(plan.resume_from)
     if saved and saved != strategy.world_size:
