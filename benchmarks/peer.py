@@ -19,7 +19,10 @@ ops in PIL + torch with torchvision's sampling (same torch RNG calls). all_resul
 The only additions are measurement: our SpeedMeter (steady-state img/s, step time, data wait, MFU, memory) is fed
 through the two hooks our Trainer subclass calls (batch fetch, log), so the peer's metrics have the same keys; and
 data_decode_seconds is the time load_dataset and the split take (the peer decodes per step, in the workers).
-Training only (the example's evaluation is not measured): --do_eval is refused.
+With --do_eval, the example's evaluation too: Resize(size) + CenterCrop(size) + ToTensor + Normalize on the validation
+split, accuracy from the argmax (the example's evaluate.load("accuracy"), which needs the Hub, computes the same).
+all_results.json also holds the wall-clock phases of the job (time_*_s, process start to the end of main) and the
+meter's train_first_step_after_start_s, for benchmarks/wall_clock.py.
 
     python benchmarks/peer.py --model_name_or_path bench_assets/vit-base --dataset_name bench_assets/cifar100 \
         --output_dir /tmp/peer --do_train --max_steps 60 --per_device_train_batch_size 256 --bf16 true \
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 import transformers
 from datasets import ClassLabel, load_dataset
@@ -67,6 +71,7 @@ class PeerArguments:
     label_column_name: str | None = field(default=None, metadata={"help": "Default: the dataset's ClassLabel column."})
     train_val_split: float = field(default=0.15, metadata={"help": "Share of train split off without validation."})
     ignore_mismatched_sizes: bool = field(default=False, metadata={"help": "Replace a head of another size."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation images."})
 
 
 # --------------------------------------------------------------------------------------------------- transforms
@@ -113,17 +118,48 @@ def pil_train_transform(size, mean, std):
     return transform
 
 
-def train_transform(image_processor) -> tuple[object, str]:
-    """The example's train transform and which implementation it is ("torchvision" or "pil")."""
+def pil_eval_transform(size, mean, std):
+    """Resize(size) + CenterCrop(size) + ToTensor() + Normalize(mean, std), without torchvision."""
+    out_h, out_w = (size, size) if isinstance(size, int) else size
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def transform(image):
+        w, h = image.size
+        if isinstance(size, int):  # the shorter side to `size`, aspect kept
+            scale = size / min(w, h)
+            w, h = max(size, round(w * scale)), max(size, round(h * scale))
+        else:
+            w, h = out_w, out_h
+        image = image.resize((w, h), Image.Resampling.BILINEAR)
+        left, top = (w - out_w) // 2, (h - out_h) // 2
+        image = image.crop((left, top, left + out_w, top + out_h))
+        pixels = torch.from_numpy(np.array(image, dtype=np.uint8, copy=True)).permute(2, 0, 1).contiguous()
+        return (pixels.float().div(255) - mean_t) / std_t
+
+    return transform
+
+
+def transforms(image_processor) -> tuple[object, object, str]:
+    """The example's train and evaluation transforms and which implementation they are ("torchvision" or "pil")."""
     size = image_processor.size
     size = size["shortest_edge"] if "shortest_edge" in size else (size["height"], size["width"])
     mean, std = image_processor.image_mean, image_processor.image_std
     try:
-        from torchvision.transforms import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop, ToTensor
+        from torchvision.transforms import (
+            CenterCrop,
+            Compose,
+            Normalize,
+            RandomHorizontalFlip,
+            RandomResizedCrop,
+            Resize,
+            ToTensor,
+        )
     except Exception:  # noqa: BLE001 - not installed, or built for another torch
-        return pil_train_transform(size, mean, std), "pil"
-    ops = [RandomResizedCrop(size), RandomHorizontalFlip(), ToTensor(), Normalize(mean=mean, std=std)]
-    return Compose(ops), "torchvision"
+        return pil_train_transform(size, mean, std), pil_eval_transform(size, mean, std), "pil"
+    normalize = [ToTensor(), Normalize(mean=mean, std=std)]
+    train = Compose([RandomResizedCrop(size), RandomHorizontalFlip(), *normalize])
+    return train, Compose([Resize(size), CenterCrop(size), *normalize]), "torchvision"
 
 
 # --------------------------------------------------------------------------------------------------- training
@@ -156,11 +192,28 @@ def attach_meter(trainer: Trainer, meter: SpeedMeter) -> None:
     trainer.add_callback(meter)
 
 
+def time_phases(trainer: Trainer, phases: dict[str, float]) -> None:
+    """Charge the Trainer's evaluation and checkpoint saves to their own phases (the rest of train() is training)."""
+    for name, phase in (("evaluate", "evaluate"), ("_save_checkpoint", "save")):
+        method = getattr(trainer, name)
+
+        def timed(*args, _method=method, _phase=phase, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                phases[_phase] = phases.get(_phase, 0.0) + time.perf_counter() - start
+
+        setattr(trainer, name, timed)
+
+
+def accuracy(prediction) -> dict[str, float]:
+    return {"accuracy": float((np.argmax(prediction.predictions, axis=1) == prediction.label_ids).mean())}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((PeerArguments, TrainingArguments))
     args, training = parser.parse_args_into_dataclasses(args=argv)
-    if training.do_eval:
-        raise ValueError("peer.py measures training only: drop --do_eval")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity(training.get_process_log_level())
 
@@ -188,21 +241,31 @@ def main(argv: list[str] | None = None) -> dict:
         args.model_name_or_path, config=config, ignore_mismatched_sizes=args.ignore_mismatched_sizes
     )
     image_processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
-    transform, implementation = train_transform(image_processor)
-    logger.info("Train transform: %s (%s)", transform, implementation)
+    train_transform, eval_transform, implementation = transforms(image_processor)
+    logger.info("Train transform: %s (%s)", train_transform, implementation)
 
-    def transform_batch(batch):
-        batch["pixel_values"] = [transform(image.convert("RGB")) for image in batch[image_column]]
-        return batch
+    def batch_transform(transform):
+        def apply(batch):
+            batch["pixel_values"] = [transform(image.convert("RGB")) for image in batch[image_column]]
+            return batch
+
+        return apply
 
     def collate_fn(examples):
         pixel_values = torch.stack([example["pixel_values"] for example in examples])
         return {"pixel_values": pixel_values, "labels": torch.tensor([example[label_column] for example in examples])}
 
-    train.set_transform(transform_batch)
-    trainer = Trainer(
-        model=model, args=training, train_dataset=train, processing_class=image_processor, data_collator=collate_fn
-    )
+    train.set_transform(batch_transform(train_transform))
+    validation = dataset["validation"] if training.do_eval else None
+    if validation is not None:
+        if args.max_eval_samples:
+            validation = validation.select(range(min(args.max_eval_samples, len(validation))))
+        validation.set_transform(batch_transform(eval_transform))
+    trainer = Trainer(model=model, args=training, train_dataset=train, eval_dataset=validation,
+                      processing_class=image_processor, data_collator=collate_fn,
+                      compute_metrics=accuracy if training.do_eval else None)  # fmt: skip
+    phases = {}
+    time_phases(trainer, phases)
     cuda = training.device.type == "cuda"
     peak = peak_flops(torch.cuda.get_device_name(), "bf16" if training.bf16 else "fp32") if cuda else None
     flops = training_flops_per_image(model.config, training.gradient_checkpointing) if peak else None
@@ -210,13 +273,23 @@ def main(argv: list[str] | None = None) -> dict:
     meter = SpeedMeter(images_per_step, flops, peak * training.world_size if peak else None)
     attach_meter(trainer, meter)
 
+    phases["startup"] = time.time() - psutil.Process().create_time()  # imports, dataset, model, trainer
+    start = time.perf_counter()
     result = trainer.train()
+    phases["train"] = time.perf_counter() - start - phases.get("evaluate", 0.0) - phases.get("save", 0.0)
+    start = time.perf_counter()
     trainer.save_model()
+    phases["save"] = phases.get("save", 0.0) + time.perf_counter() - start
     metrics = {**result.metrics, **meter.metrics(), "data_decode_seconds": round(load_seconds, 3)}
     metrics["peer_transforms"] = implementation
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
     trainer.save_state()
+    if training.do_eval:  # as the example: once more after training
+        metrics.update(trainer.evaluate())
+    metrics.update({f"time_{phase}_s": round(seconds, 2) for phase, seconds in phases.items()})
+    metrics["time_total_s"] = round(time.time() - psutil.Process().create_time(), 2)
+    trainer.save_metrics("all", metrics)
     return metrics
 
 

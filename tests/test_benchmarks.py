@@ -630,9 +630,15 @@ def test_peer_pil_transforms_follow_torchvision(monkeypatch):
 
     from transformers import ViTImageProcessor
 
-    transform, kind = peer.train_transform(ViTImageProcessor(size={"height": 16, "width": 24}))
+    transform, evaluation, kind = peer.transforms(ViTImageProcessor(size={"height": 16, "width": 24}))
     assert kind == ("torchvision" if torchvision_imports() else "pil")
-    assert transform(image).shape == (3, 16, 24)
+    assert transform(image).shape == (3, 16, 24) and evaluation(image).shape == (3, 16, 24)
+    # Evaluation: Resize (the shorter side, aspect kept) + CenterCrop, deterministic
+    wide = Image.fromarray(np.random.default_rng(1).integers(0, 256, size=(48, 64, 3), dtype=np.uint8))
+    centre = peer.pil_eval_transform(24, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    assert centre(wide).shape == (3, 24, 24) and torch.equal(centre(wide), centre(wide))
+    resized = torch.from_numpy(np.array(wide.resize((32, 24), Image.Resampling.BILINEAR))).permute(2, 0, 1) / 255
+    assert torch.allclose(centre(wide), resized[:, :, 4:28])
 
 
 def test_peer_pil_transforms_equal_torchvision_for_the_same_seed():
@@ -801,3 +807,38 @@ def test_te_fp8_benchmark_records_runs_and_redraws(tmp_path):
     te_fp8.main(["--out", str(tmp_path), "--replot"])
     assert "| vit-b | 32 | 20 | eager | no |" in (tmp_path / "te_fp8.md").read_text()
     assert (tmp_path / "loss_curves.png").is_file()
+
+
+def test_wall_clock_times_whole_jobs_of_ours_and_the_peer(cifar_like, tiny_vit, tmp_path):
+    """benchmarks/wall_clock.py: the peer and our recipe as typed, each a whole process timed from outside, with the
+    phases each reports; caches in the job's own folder (a warm rerun reuses them); the record redraws from its JSON."""
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "vit-base").symlink_to(tiny_vit)
+    (assets / "cifar100").symlink_to(cifar_like)
+    out, work = tmp_path / "record", tmp_path / "work"
+    runs = "epoch-peer-w16-cold,epoch-ours-cold"
+    argv = [sys.executable, str(BENCH / "wall_clock.py"), "--assets", str(assets), "--out", str(out), "--work",
+            str(work), "--only", runs, "--extra", "--use_cpu true --bf16 false --dataloader_num_workers 0"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((out / "wall_clock.json").read_text())
+    by_name = {run["name"]: run for run in record["runs"]}
+    assert list(by_name) == runs.split(",")
+    for name, run in by_name.items():
+        m = run["metrics"]
+        assert run["exit"] == 0 and 0 < m["time_total_s"] <= run["wall_s"], (name, run)
+        assert {"time_startup_s", "time_train_s", "time_evaluate_s", "train_first_step_after_start_s"} <= set(m), name
+        assert m["time_startup_s"] < m["train_first_step_after_start_s"] < run["wall_s"], (name, m)
+    assert "recipes/vit-base/cifar100/config_full.yaml" in by_name["epoch-ours-cold"]["command"]
+    assert "--train_val_split 0.1" in by_name["epoch-peer-w16-cold"]["command"]
+    assert 0 <= by_name["epoch-peer-w16-cold"]["metrics"]["eval_accuracy"] <= 1  # the example's evaluation ran
+    caches = work / "caches" / "epoch-ours-0" / "datasets"
+    assert caches.is_dir() and any(caches.iterdir())  # the decoded images a warm rerun reads
+    table = (out / "wall_clock.md").read_text()
+    assert "| epoch | `epoch-peer-w16-cold` | 0 |" in table and "1.00x" in table
+    assert (out / "wall_clock.png").stat().st_size > 10_000
+    (out / "wall_clock.md").unlink()
+    redraw = [sys.executable, str(BENCH / "wall_clock.py"), "--redraw", "--out", str(out)]
+    assert subprocess.run(redraw, capture_output=True, cwd=ROOT, timeout=120).returncode == 0
+    assert (out / "wall_clock.md").read_text() == table

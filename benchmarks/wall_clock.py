@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""The benchmark users feel: the wall clock of whole jobs, from pressing Enter to a finished model, ours against
+the peer (transformers' example script, benchmarks/peer.py) in one call on one GPU.
+
+Two jobs, each run by the peer (8 and 16 DataLoader workers) and by our script as typed, twice: cold (fresh compile
+and datasets caches: a new machine) and warm (the same command again, into a new output folder):
+
+- epoch: the ViT-B CIFAR-100 recipe's first epoch, `--config recipes/vit-base/cifar100/config_full.yaml
+  --num_train_epochs 1` (45,000 training images at batch 128, the 5,000-image validation split evaluated at the epoch's
+  end and after training, the 10,000 test images once, the model saved). The peer trains on the same 90% split
+  (`--train_val_split 0.1`) at the same batch and evaluates the validation split as its script does.
+- steps200: 200 steps at batch 256, then 2,000 evaluation images (ours: validation and test, 2,000 each).
+
+`ours-compiled` runs of steps200 (`--torch_compile_regions true`, cold then warm) measure what regional compilation
+costs once and saves per step: the data behind the default's "compile only where it pays" rule.
+
+Each job's wall clock is measured here (process start to exit); its phases come from all_results.json (ours: the
+timeline every run records; the peer: start-up to the first step, train, evaluate, save), and the steady img/s and
+process start to the first step's end from the speed meter both share.
+
+    python benchmarks/make_assets.py --out bench_assets cifar100 vit-base --workers 16
+    python benchmarks/wall_clock.py --assets bench_assets --out benchmarks/results/<date>_wall_clock_1x<card>
+    python benchmarks/wall_clock.py --redraw --out ...   # the markdown and chart again from wall_clock.json
+
+Writes OUT/wall_clock.json, OUT/wall_clock.md and OUT/wall_clock.png; runs and logs stay in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from run import device_description, git_commit, gpu_info, library_versions  # noqa: E402
+
+RECIPE = "recipes/vit-base/cifar100/config_full.yaml"
+JOBS = {  # job -> (our arguments after the recipe, the peer's arguments for the same work)
+    "epoch": (
+        ["--num_train_epochs", "1"],
+        ["--num_train_epochs", "1", "--per_device_train_batch_size", "128", "--per_device_eval_batch_size", "256",
+         "--eval_strategy", "epoch", "--save_strategy", "epoch", "--do_eval", "true", "--train_val_split", "0.1"],
+    ),
+    "steps200": (
+        ["--max_steps", "200", "--per_device_train_batch_size", "256", "--max_eval_samples", "2000",
+         "--eval_strategy", "no", "--save_strategy", "no"],
+        ["--max_steps", "200", "--per_device_train_batch_size", "256", "--per_device_eval_batch_size", "256",
+         "--eval_strategy", "no", "--save_strategy", "no", "--do_eval", "true", "--max_eval_samples", "2000",
+         "--train_val_split", "0.1"],
+    ),
+}  # fmt: skip
+PEER_COMMON = ["--do_train", "true", "--bf16", "true", "--learning_rate", "1e-4", "--lr_scheduler_type", "cosine",
+               "--logging_steps", "50", "--remove_unused_columns", "false", "--ignore_mismatched_sizes", "true",
+               "--report_to", "none", "--seed", "42", "--disable_tqdm", "true"]  # fmt: skip
+# The order runs go in: what the README's table needs first, so a budget cut leaves the least important out.
+PLAN = [
+    ("epoch", "peer", 16, "cold"), ("epoch", "ours", None, "cold"), ("epoch", "ours", None, "warm"),
+    ("steps200", "peer", 16, "cold"), ("steps200", "ours", None, "cold"), ("steps200", "ours", None, "warm"),
+    ("steps200", "ours-compiled", None, "cold"), ("steps200", "ours-compiled", None, "warm"),
+    ("steps200", "peer", 8, "cold"), ("epoch", "peer", 8, "cold"),
+]  # fmt: skip
+
+
+@dataclass
+class Run:
+    job: str
+    who: str  # peer, ours, ours-compiled
+    workers: int | None  # the peer's DataLoader workers (ours: the recipe's default)
+    cache: str  # cold: fresh compile and datasets caches; warm: those of the cold run before it
+    command: str = ""
+    exit: int | str | None = None
+    wall_s: float | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.job}-{self.who}" + (f"-w{self.workers}" if self.workers else "") + f"-{self.cache}"
+
+
+def argv_of(run: Run, assets: Path, out: Path) -> list[str]:
+    ours, peer = JOBS[run.job]
+    data = ["--model_name_or_path", str(assets / "vit-base"), "--dataset_name", str(assets / "cifar100")]
+    if run.who == "peer":
+        return [sys.executable, "benchmarks/peer.py", *data, "--output_dir", str(out), *PEER_COMMON, *peer,
+                "--dataloader_num_workers", str(run.workers)]  # fmt: skip
+    extra = ["--torch_compile_regions", "true"] if run.who == "ours-compiled" else []
+    return [sys.executable, "run_image_classification.py", "--config", RECIPE, *data, "--output_dir", str(out),
+            "--report_to", "none", *ours, *extra]  # fmt: skip
+
+
+def execute(run: Run, assets: Path, work: Path, timeout: float) -> None:
+    # A cold run and its warm rerun share caches: one folder per job and script
+    caches = work / "caches" / f"{run.job}-{run.who}-{run.workers or 0}"
+    if run.cache == "cold":
+        shutil.rmtree(caches, ignore_errors=True)
+    out = work / "runs" / run.name
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "HF_DATASETS_CACHE": str(caches / "datasets"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    argv = argv_of(run, assets, out)
+    run.command = shlex.join(argv).replace(sys.executable, "python").replace(str(assets), "$ASSETS")
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    with open(work / "logs" / f"{run.name}.log", "w") as log:
+        start = time.time()
+        try:
+            run.exit = subprocess.run(
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            run.exit = "timeout"
+        run.wall_s = round(time.time() - start, 2)
+    results = out / "all_results.json"
+    if results.is_file():
+        keep = ("time_", "train_images_per_second", "train_first_step_after_start_s", "train_warmup_s",
+                "train_step_time_s", "eval_accuracy", "train_peak_allocated_gib")  # fmt: skip
+        run.metrics = {k: v for k, v in json.loads(results.read_text()).items() if k.startswith(keep)}
+    print(f"[wall_clock] {run.name}: exit {run.exit}, {run.wall_s} s", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------- record
+def ratio(run: dict, runs: list[dict]) -> str:
+    peer = next((r for r in runs if r["job"] == run["job"] and r["who"] == "peer" and r["workers"] == 16), None)
+    if not (peer and peer["wall_s"] and run["wall_s"] and peer["exit"] == 0 and run["exit"] == 0):
+        return ""
+    return f"{run['wall_s'] / peer['wall_s']:.2f}x"
+
+
+PHASES = ("startup", "data", "model", "decode", "trainer", "train", "save", "evaluate", "reports")
+
+
+def write_markdown(record: dict, out: Path) -> None:
+    runs = record["runs"]
+    lines = [f"# Wall clock of whole jobs: ours against the peer, {record['device']}", "",
+             f"`{record['command']}` at {record['commit']}, {record['date']}. Versions: "
+             + ", ".join(f"{k} {v}" for k, v in record["versions"].items() if v), "",
+             "Wall clock: process start to exit, measured outside the process. x peer: over the 16-worker peer's wall "
+             "clock for the same job. Phases (seconds) from each run's all_results.json; first step: process start to "
+             "the first optimizer step's end; warm-up: the first 5 steps (compilation lands there).", "",
+             "![Where each job's wall clock goes](wall_clock.png)", "",
+             "| job | run | exit | wall s | x peer (16 workers) | first step s | warm-up s | steady img/s | "
+             + " | ".join(PHASES) + " | eval accuracy |",
+             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|"]  # fmt: skip
+    for run in runs:
+        m = run["metrics"]
+        cells = [run["job"], f"`{run['name']}`", str(run["exit"]), f"{run['wall_s']:.1f}" if run["wall_s"] else "",
+                 ratio(run, runs), str(m.get("train_first_step_after_start_s", "")), str(m.get("train_warmup_s", "")),
+                 f"{m['train_images_per_second']:,.0f}" if "train_images_per_second" in m else "",
+                 *[str(m.get(f"time_{p}_s", "")) for p in PHASES], str(round(m["eval_accuracy"], 4)) if "eval_accuracy" in m else ""]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "<details><summary>Commands</summary>", ""]
+    lines += [f"- `{run['name']}`: `{run['command']}`" for run in runs] + ["", "</details>", ""]
+    (out / "wall_clock.md").write_text("\n".join(lines))
+
+
+def draw(record: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in record["runs"] if r["wall_s"]]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(runs) + 1.6))
+    colours = plt.get_cmap("tab10")
+    for y, run in enumerate(runs):
+        m, left = run["metrics"], 0.0
+        phases = [(p, m.get(f"time_{p}_s", 0.0)) for p in PHASES if m.get(f"time_{p}_s")]
+        for phase, seconds in phases:
+            labelled = ax.get_legend_handles_labels()[1]
+            ax.barh(
+                y, seconds, left=left, color=colours(PHASES.index(phase)), label=None if phase in labelled else phase
+            )
+            left += seconds
+        ax.barh(y, run["wall_s"] - left, left=left, color="lightgrey",
+                label="outside the phases" if "outside the phases" not in ax.get_legend_handles_labels()[1] else None)  # fmt: skip
+        ax.text(run["wall_s"] + 0.5, y, f"{run['wall_s']:.0f} s {ratio(run, record['runs'])}", va="center", fontsize=8)
+    ax.set_yticks(range(len(runs)), [r["name"] for r in runs], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("wall clock, process start to exit (s)")
+    ax.set_xlim(0, max(r["wall_s"] for r in runs) * 1.18)
+    ax.set_title(f"Where a whole job's time goes: ours and the peer, {record['device']}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="phase")
+    fig.tight_layout()
+    fig.savefig(out / "wall_clock.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--assets", default="bench_assets", help="make_assets.py's folder (cifar100, vit-base)")
+    parser.add_argument("--out", required=True, help="record folder")
+    parser.add_argument("--work", default="/tmp/wall_clock", help="runs, caches and logs (not kept in git)")
+    parser.add_argument("--only", default="", help="comma-separated run names (default: all, in PLAN's order)")
+    parser.add_argument("--budget", type=float, default=540, help="seconds: then no run starts")
+    parser.add_argument("--timeout", type=float, default=200, help="seconds a run may take")
+    parser.add_argument("--redraw", action="store_true", help="markdown and chart again from OUT/wall_clock.json")
+    parser.add_argument("--extra", default="", help="arguments added to every run (tests: --use_cpu true ...)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.redraw:
+        record = json.loads((out / "wall_clock.json").read_text())
+    else:
+        assets, work = Path(args.assets).resolve(), Path(args.work)
+        runs = [Run(*entry) for entry in PLAN]
+        if args.only:
+            runs = [r for r in runs if r.name in args.only.split(",")]
+        if args.extra:
+            for job, (ours, peer) in list(JOBS.items()):
+                JOBS[job] = (ours + shlex.split(args.extra), peer + shlex.split(args.extra))
+        start = time.time()
+        for run in runs:
+            if time.time() - start > args.budget:
+                run.exit = f"not run: the {args.budget:.0f} s budget ran out"
+                continue
+            execute(run, assets, work, args.timeout)
+        gpus = gpu_info()
+        record = {"device": device_description(gpus) if gpus else "CPU", "commit": git_commit(),
+                  "date": time.strftime("%Y-%m-%d"), "versions": library_versions(),
+                  "command": "python benchmarks/wall_clock.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+                  "runs": [{**asdict(r), "name": r.name} for r in runs]}  # fmt: skip
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "wall_clock.json").write_text(json.dumps(record, indent=1))
+    write_markdown(record, out)
+    draw(record, out)
+    failed = [r["name"] for r in record["runs"] if r["exit"] not in (0, None) and not str(r["exit"]).startswith("not")]
+    print(f"[wall_clock] {len(record['runs'])} runs, {len(failed)} failed {failed}; record: {out / 'wall_clock.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
