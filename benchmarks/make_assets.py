@@ -1,11 +1,16 @@
 """Local stand-ins for what benchmarks would download: Hub-shaped datasets and randomly initialised checkpoints.
 
     python benchmarks/make_assets.py --out bench_assets cifar100 food101 vit-base vit-huge
+    python benchmarks/make_assets.py --out bench_assets convnext-tiny swin-tiny dinov2-small dinov2-base
 
 - cifar100: CIFAR-100-shaped (uoft-cs/cifar100 columns img/fine_label), 32x32 PNG in parquet, 100 classes,
   50,000 train / 10,000 test (sizes adjustable).
 - food101: Food-101-shaped (ethz/food101 columns image/label), JPEG of 384-640 px sides, 101 classes.
 - vit-base / vit-huge: google/vit-{base-patch16,huge-patch14}-224-in21k configs, random weights, save_pretrained.
+- convnext-tiny, swin-tiny, dinov2-small, dinov2-base: facebook/convnext-tiny-224, microsoft/swin-tiny-patch4-window7-224
+  and facebook/dinov2-{small,base} configs with their image processors, random weights, 224 px. DINOv2's config says
+  518 (its position embeddings' grid) and its processor crops 224: the stand-in is built at 224, as it is fine-tuned,
+  and its processor resizes to 224 before the crop so that the peer (which reads shortest_edge) trains at 224 too.
 Images are learnable (class colour + noise), so loss curves are meaningful.
 """
 
@@ -93,20 +98,47 @@ def make_dataset(
     return out
 
 
+FAMILIES = ["convnext-tiny", "swin-tiny", "dinov2-small", "dinov2-base"]
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def family_config(name: str):
+    """(config, image processor) of a FAMILIES stand-in: the Hub checkpoint's shape, 224 px."""
+    import transformers as tf
+
+    norm = {"image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD}
+    if name == "convnext-tiny":
+        config = tf.ConvNextConfig(depths=[3, 3, 9, 3], hidden_sizes=[96, 192, 384, 768], image_size=224)
+        return config, tf.ConvNextImageProcessor(size={"shortest_edge": 224}, crop_pct=0.875, **norm)
+    if name == "swin-tiny":
+        config = tf.SwinConfig(image_size=224, patch_size=4, embed_dim=96, depths=[2, 2, 6, 2],
+                               num_heads=[3, 6, 12, 24], window_size=7)  # fmt: skip
+        return config, tf.ViTImageProcessor(size={"height": 224, "width": 224}, **norm)
+    width, heads = {"dinov2-small": (384, 6), "dinov2-base": (768, 12)}[name]
+    config = tf.Dinov2Config(hidden_size=width, num_attention_heads=heads, num_hidden_layers=12, mlp_ratio=4,
+                             patch_size=14, image_size=224)  # fmt: skip
+    crop = {"height": 224, "width": 224}
+    return config, tf.BitImageProcessor(size={"shortest_edge": 224}, crop_size=crop, do_center_crop=True, **norm)
+
+
 def make_checkpoint(out: Path, name: str) -> Path:
     import torch
-    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+    from transformers import AutoModelForImageClassification, ViTConfig, ViTImageProcessor
 
     torch.manual_seed(0)
-    config = ViTConfig(**CHECKPOINTS[name], num_labels=2)
-    ViTForImageClassification(config).save_pretrained(out)
-    ViTImageProcessor().save_pretrained(out)
+    if name in FAMILIES:
+        config, processor = family_config(name)
+    else:
+        config, processor = ViTConfig(**CHECKPOINTS[name]), ViTImageProcessor()
+    config.num_labels = 2
+    AutoModelForImageClassification.from_config(config).save_pretrained(out)
+    processor.save_pretrained(out)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("assets", nargs="+", choices=["cifar100", "food101", "vit-base", "vit-huge"])
+    parser.add_argument("assets", nargs="+", choices=["cifar100", "food101", *CHECKPOINTS, *FAMILIES])
     parser.add_argument("--out", default="bench_assets")
     parser.add_argument("--train", type=int, default=None, help="train images (default 50,000 / 75,750)")
     parser.add_argument("--test", type=int, default=None, help="test/validation images (default 10,000 / 25,250)")

@@ -208,3 +208,157 @@ def test_the_image_processor_is_read_for_the_size_only_when_the_config_has_none(
                                  cache_dir=None, model_revision="main", attn_implementation="auto",
                                  image_processor_name=None, patch_embedding_matmul=False)  # fmt: skip
     assert modeling.build_model(args, ["a", "b"])[1] == 16
+
+
+# timm checkpoints load through transformers' TimmWrapper: a ViT saved by timm as the Hub's timm/ checkpoints are
+# (config.json with pretrained_cfg and no model_type, weights without the wrapper's prefix), a ResNet saved by
+# TimmWrapperForImageClassification.save_pretrained. Random init, 7 labels, 32-px input, no download.
+TIMM = {
+    "vit": ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 16, "num_heads": 2}),
+    "resnet": ("resnet18", {"layers": [1, 1, 1, 1]}),
+}
+TIMM_MEAN, TIMM_STD = [0.4, 0.45, 0.5], [0.2, 0.25, 0.3]  # not ViT's 0.5 default: the run must read them
+TIMM_BLOCK = {"vit": "Block", "resnet": "BasicBlock"}
+
+
+def timm_checkpoint(kind: str, folder: Path) -> Path:
+    timm = pytest.importorskip("timm")  # it needs torchvision: runs where both import (the GPU machine)
+    architecture, model_args = TIMM[kind]
+    data = {"input_size": [3, 32, 32], "crop_pct": 1.0, "interpolation": "bicubic", "mean": TIMM_MEAN, "std": TIMM_STD}
+    if kind == "vit":  # timm's Hub layout, written here: timm >= 1.0.2x's save_for_hf records num_classes in
+        import json  # model_args, which TimmWrapper (transformers 5.24) passes to create_model a second time
+
+        from safetensors.torch import save_file
+
+        model = timm.create_model(architecture, pretrained=False, num_classes=7, **model_args)
+        folder.mkdir()
+        save_file(model.state_dict(), folder / "model.safetensors")
+        config = {"architecture": architecture, "num_classes": 7, "num_features": model.num_features,
+                  "model_args": model_args, "pretrained_cfg": {**data, "classifier": "head"}}  # fmt: skip
+        (folder / "config.json").write_text(json.dumps(config))
+    else:
+        from transformers import TimmWrapperConfig, TimmWrapperForImageClassification
+
+        config = TimmWrapperConfig(architecture=architecture, model_args=model_args, num_labels=7,
+                                   pretrained_cfg={**data, "classifier": "fc"})  # fmt: skip
+        TimmWrapperForImageClassification(config).save_pretrained(folder)
+    return folder
+
+
+def timm_weights(folder: Path) -> dict:
+    """The saved tensors by timm's own names (the wrapper's prefix, where written, taken off)."""
+    from safetensors.torch import load_file
+
+    return {k.removeprefix("timm_model."): v for k, v in load_file(folder / "model.safetensors").items()}
+
+
+@pytest.mark.parametrize("kind", TIMM)
+def test_a_timm_checkpoint_trains_saves_and_reloads_with_pipeline(
+    kind, cifar_like, predict_folder, tmp_path, run_script
+):
+    """Input size and mean/std come from timm's pretrained_cfg (TimmWrapperImageProcessor's data_config), the 7-label
+    head becomes a 100-label one, and the saved config.json tells pipeline() (which reads a timm checkpoint's
+    preprocessing from there) what the run's evaluation did."""
+    import json
+
+    import torch
+    from transformers import pipeline
+
+    torch.manual_seed(0)
+    source = timm_checkpoint(kind, tmp_path / kind)
+    out = tmp_path / "out"
+    results = run_script("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", out,
+                         "--max_steps", "2", "--per_device_train_batch_size", "8", "--do_train", "true", "--do_eval", "true",
+                         "--do_predict", "true",
+                         "--predict_images", predict_folder, *FAST_ARGS, "--plots", "false")  # fmt: skip
+    assert "test_accuracy" in results and results["train_loss"] > 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["num_classes"] == 100 and saved["label_names"][:2] == ["class_0", "class_1"]
+    preprocessing = {k: saved["pretrained_cfg"][k] for k in ("input_size", "crop_pct", "mean", "std")}
+    assert preprocessing == {"input_size": [3, 32, 32], "crop_pct": 1.0, "mean": TIMM_MEAN, "std": TIMM_STD}
+    processor = json.loads((out / "preprocessor_config.json").read_text())
+    assert (processor["image_mean"], processor["crop_size"]) == (TIMM_MEAN, {"height": 32, "width": 32})
+    head = timm_weights(out)["head.weight" if kind == "vit" else "fc.weight"]
+    assert head.shape[0] == 100
+    with open(out / "predictions.csv") as f:
+        ours = {row["file"]: row for row in csv.DictReader(f)}
+    classify = pipeline("image-classification", model=str(out), device="cpu")
+    assert type(classify.image_processor).__name__ == "TimmWrapperImageProcessor"
+    for name, row in ours.items():
+        best = classify(str(predict_folder / name), top_k=1)[0]
+        assert (best["label"], best["score"]) == (row["label"], pytest.approx(float(row["score"]), abs=1e-4)), name
+
+
+@pytest.mark.parametrize("kind", TIMM)
+def test_a_timm_checkpoints_head_alone_trains_on_its_own_backbone_and_lora_adapts_timm_attention(
+    kind, cifar_like, tmp_path, run_script
+):
+    """--freeze_backbone finds the classifier inside the wrapped timm model (the wrapper has no head of its own): the
+    backbone saved is the checkpoint's, unchanged. LoRA's default targets are timm's fused qkv on the ViT; the ResNet
+    has none and the refusal lists its layers."""
+    from vit_recipes.errors import RecipeError
+
+    source = timm_checkpoint(kind, tmp_path / kind)
+    common = ("--dataset_name", cifar_like, "--model_name_or_path", source, "--do_train", "true", "--max_steps", "2",
+              "--per_device_train_batch_size", "8", "--learning_rate", "0.1", *FAST_ARGS, "--plots", "false")  # fmt: skip
+    results = run_script(*common, "--output_dir", tmp_path / "head", "--freeze_backbone", "true")
+    before, after = timm_weights(source), timm_weights(tmp_path / "head")
+    head = "head." if kind == "vit" else "fc."
+    weights = [k for k in before if not k.startswith(head) and "running_" not in k and "batches" not in k]
+    assert weights and set(weights) < set(after)  # BatchNorm's running statistics (ResNet) update in training
+    backbone = weights
+    assert all(torch_equal(before[k], after[k]) for k in backbone)
+    assert results["train_trainable_params"] == sum(v.numel() for k, v in after.items() if k.startswith(head))
+    if kind == "resnet":
+        with pytest.raises(RecipeError, match="no attention query/value projections.*conv1"):
+            run_script(*common, "--output_dir", tmp_path / "lora", "--use_peft", "true")
+        return
+    results = run_script(*common, "--output_dir", tmp_path / "lora", "--use_peft", "true")
+    assert 0 < results["train_trainable_params"] < results["train_total_params"]
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", TIMM)
+def test_timm_refusals_and_sizes(kind, cifar_like, tmp_path, run_script, monkeypatch):
+    """One line each, before any data: an attention implementation (timm picks its own; transformers only warns),
+    --patch_dropout (naming timm's own patch_drop_rate); --gradient_checkpointing is not refused (timm checkpoints its
+    blocks); FSDP's default wrap list (the wrapper's _no_split_modules names a class it does not hold) names timm's
+    block class; the advisor and the FLOP count size the model."""
+    import types
+
+    from transformers import AutoConfig, AutoModelForImageClassification
+
+    from vit_recipes.checks import check_fsdp_wrap
+    from vit_recipes.errors import RecipeError
+    from vit_recipes.flops import forward_flops
+    from vit_recipes.memory import model_size
+    from vit_recipes.plan import read_strategy
+
+    source = timm_checkpoint(kind, tmp_path / kind)
+    common = ("--dataset_name", tmp_path / "no_data_yet", "--model_name_or_path", source, "--output_dir",
+              tmp_path / "out", "--do_train", "true", *FAST_ARGS)  # fmt: skip
+    with pytest.raises(RecipeError, match="--attn_implementation eager: timm models pick their own attention"):
+        run_script(*common[2:], "--dataset_name", cifar_like, "--attn_implementation", "eager")  # the model's build
+    with pytest.raises(
+        RecipeError, match="TimmWrapperForImageClassification has none: drop --patch_dropout .*patch_drop_rate"
+    ):
+        run_script(*common, "--patch_dropout", "0.5")
+    with pytest.raises(RecipeError) as no_data:  # past the model checks: the missing dataset stops it
+        run_script(*common, "--gradient_checkpointing", "true")
+    assert "no_data_yet" in str(no_data.value) and "checkpointing" not in str(no_data.value)
+    model = AutoModelForImageClassification.from_pretrained(source)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP", raising=False)
+    with pytest.raises(RecipeError, match=rf"_no_split_modules .* names TimmWrapperModel, .* \({TIMM_BLOCK[kind]}\)"):
+        check_fsdp_wrap(read_strategy(types.SimpleNamespace(world_size=2)), model)
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", TIMM_BLOCK[kind])
+    check_fsdp_wrap(read_strategy(types.SimpleNamespace(world_size=2)), model)
+    config = AutoConfig.from_pretrained(source)
+    params, largest = model_size(config)
+    assert params == sum(p.numel() for p in model.parameters()) and 0 < largest < params
+    assert forward_flops(config, image_size=32) > 2 * params

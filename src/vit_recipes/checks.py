@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from .classifiers import classifier_class
@@ -204,14 +205,15 @@ def check_model_family(args) -> None:
         model_class = classifier_class(config)
     except (RecipeError, KeyError, ValueError, OSError):  # no config to read yet: build_model says why
         return
-    if args.training.gradient_checkpointing and not getattr(model_class, "supports_gradient_checkpointing", False):
+    with init_empty_weights():  # on the meta device: no memory, no weights read
+        model = model_class(config)  # timm's wrapper says on the instance whether its model checkpoints
+    if args.training.gradient_checkpointing and not model.supports_gradient_checkpointing:
         raise RecipeError(
             f"--gradient_checkpointing: transformers has no activation checkpointing for {model_class.__name__}; "
             "drop the flag (or lower the batch size to fit memory)"
         )
     if args.augment.patch_dropout:
-        with init_empty_weights():  # on the meta device: no memory, no weights read
-            token_embeddings(model_class(config))
+        token_embeddings(model)
 
 
 def check_host_memory(strategy, model_args) -> None:
@@ -344,11 +346,12 @@ def check_fsdp_wrap(strategy, model) -> None:
     named = strategy.fsdp_wrap is not None
     names = list(strategy.fsdp_wrap) if named else list(getattr(model, "_no_split_modules", None) or [])
     present = {type(m).__name__ for m in model.modules()}
-    if named and (absent := [n for n in names if n not in present]):  # another family than the config's (ViT)
+    where = "the FSDP wrap list" if named else f"{type(model).__name__}._no_split_modules (accelerate's default)"
+    if absent := [n for n in names if n not in present]:  # another family than the config's (ViT); timm's wrapper
         layers = [n for n in getattr(model, "_no_split_modules", None) or [] if n in present and "Embed" not in n]
         raise RecipeError(
-            f"the FSDP wrap list names {', '.join(absent)}, which {type(model).__name__} does not have: wrap its "
-            f"layer class ({', '.join(layers) or 'see its modules'}) with accelerate launch "
+            f"{where} names {', '.join(absent)}, which {type(model).__name__} does not have: wrap its "
+            f"layer class ({', '.join(layers or repeated_blocks(model))}) with accelerate launch "
             "--fsdp_transformer_layer_cls_to_wrap, or fsdp_transformer_layer_cls_to_wrap in the accelerate config"
         )
     embed = getattr(model, "get_input_embeddings", lambda: None)()
@@ -358,12 +361,18 @@ def check_fsdp_wrap(strategy, model) -> None:
     clash = sorted(holders.intersection(names))
     if clash:
         keep = [n for n in names if n not in holders]
-        where = "the FSDP wrap list" if named else f"{type(model).__name__}._no_split_modules (accelerate's default)"
         raise RecipeError(
             f"FSDP2 cannot wrap {', '.join(clash)} from {where}: it holds the input embedding that accelerate "
             f"shards on its own; wrap {','.join(keep) or 'the transformer layer class'} only "
             f"(fsdp_transformer_layer_cls_to_wrap in the accelerate config, as in accelerate_configs/fsdp.yaml)"
         )
+
+
+def repeated_blocks(model) -> list[str]:
+    """The class repeated most as a child (with children) of a Sequential/ModuleList: a model's block (timm's)."""
+    lists = [m for m in model.modules() if type(m).__name__ in ("Sequential", "ModuleList")]
+    found = Counter(type(c).__name__ for m in lists for c in m.children() if list(c.children()) and c not in lists)
+    return [found.most_common(1)[0][0]] if found else ["see its modules"]
 
 
 def _hub_id(name: str | None) -> bool:

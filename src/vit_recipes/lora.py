@@ -34,6 +34,8 @@ def head_module_names(model: nn.Module) -> list[str]:
     model = unwrap(model)
     backbone = getattr(model, "base_model_prefix", None)
     heads = [name for name, child in model.named_children() if name != backbone and list(child.parameters())]
+    if hasattr(timm := getattr(model, "timm_model", None), "get_classifier"):  # timm's wrapper: the head is inside
+        heads = [f"timm_model.{name}" for name, child in timm.named_modules() if child is timm.get_classifier()]
     if not heads or not backbone or not hasattr(model, backbone):
         raise RecipeError(
             f"cannot tell the classifier head from the backbone in {type(model).__name__}; LoRA and "

@@ -85,6 +85,8 @@ def build_model(model_args, label_names: list[str]):
     same_head = pretrained and old_labels == count and getattr(config, "id2label", {}) == id2label
     config.num_labels = count
     config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
+    if hasattr(config, "label_names"):  # timm's config.json: saved instead of id2label, and it would win
+        config.label_names = list(label_names)
     # the processor only when the config has no size (ResNet): loading it costs start-up time
     image_size = check_config(
         config, source, None if getattr(config, "image_size", None) else processor_image_size(model_args)
@@ -138,6 +140,8 @@ def attention_for(config: PretrainedConfig, asked: str) -> str | None:
     has it, else eager); 'sdpa' on a class without it is one line here, not transformers' traceback."""
     model_class = classifier_class(config)
     has_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
+    if config.model_type == "timm_wrapper" and asked != "auto":  # transformers only warns that timm ignores it
+        raise RecipeError(f"--attn_implementation {asked}: timm models pick their own attention; drop the flag")
     if asked == "auto":
         logger.info("Attention: %s", "sdpa" if has_sdpa else f"eager ({model_class.__name__} has no SDPA kernel)")
         return None
@@ -158,6 +162,8 @@ def processor_image_size(model_args) -> int | None:
         processor = AutoImageProcessor.from_pretrained(source, cache_dir=model_args.cache_dir)
     except (OSError, ValueError, AttributeError, TypeError):
         return None
+    if getattr(processor, "data_config", None):  # timm's TimmWrapperImageProcessor: (3, height, width)
+        return processor.data_config["input_size"][-1]
     for key in ("crop_size", "size"):
         size = getattr(processor, key, None)
         if key == "crop_size" and not getattr(processor, "do_center_crop", False):
@@ -318,7 +324,9 @@ def mean_std(model_args) -> tuple[tuple[float, ...], tuple[float, ...]]:
     if source:
         try:
             processor = AutoImageProcessor.from_pretrained(source, cache_dir=model_args.cache_dir)
-            return tuple(processor.image_mean), tuple(processor.image_std)
+            norm = getattr(processor, "data_config", None)  # timm's wrapper keeps its mean/std there
+            mean, std = (norm["mean"], norm["std"]) if norm else (processor.image_mean, processor.image_std)
+            return tuple(mean), tuple(std)
         except (OSError, ValueError, AttributeError, TypeError):
             if os.path.isdir(source) or model_args.image_processor_name:
                 logger.info("No image processor in %s: using mean/std %s", source, DEFAULT_MEAN)

@@ -22,9 +22,10 @@ def token_embeddings(model: nn.Module) -> tuple[nn.Module, int]:
             getattr(module, "cls_token", None), nn.Parameter
         ):
             return module, 1 + isinstance(getattr(module, "distillation_token", None), nn.Parameter)  # DeiT: 2
+    timm = ' (timm ViTs drop patches themselves: "patch_drop_rate" in the model_args of its config.json)'
     raise RecipeError(
         f"--patch_dropout needs a ViT-style model (an embeddings module with a [CLS] token); "
-        f"{type(model).__name__} has none: drop --patch_dropout"
+        f"{type(model).__name__} has none: drop --patch_dropout{timm * hasattr(model, 'timm_model')}"
     )
 
 

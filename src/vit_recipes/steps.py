@@ -171,8 +171,13 @@ def save_model_files(trainer, args: RunArguments, splits: ImageSplits, image_siz
     if not trainer.is_world_process_zero():
         return
     output_dir = trainer.args.output_dir
-    evaluation_processor(image_size, args.augment.eval_crop_pct, mean, std).save_pretrained(output_dir)
-    trainer.model.config.save_pretrained(output_dir)
+    crop, config = args.augment.eval_crop_pct, trainer.model.config
+    evaluation_processor(image_size, crop, mean, std).save_pretrained(output_dir)
+    if isinstance(getattr(config, "pretrained_cfg", None), dict):  # timm: pipeline() preprocesses as it says
+        config.pretrained_cfg = {k: v for k, v in config.pretrained_cfg.items() if not k.startswith("test_")} | dict(
+            input_size=[3, image_size, image_size], crop_pct=crop, crop_mode="center", interpolation="bicubic",
+            mean=list(mean), std=list(std))  # fmt: skip
+    config.save_pretrained(output_dir)
     write_labels(splits, output_dir)
 
 
