@@ -357,6 +357,7 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
     dataset_id, _ = resolve_source(args.data.dataset_name or "")
     training = args.training
     augment = ("crop_scale_min", "hflip_prob", "auto_augment", "mixup_alpha", "cutmix_alpha", "patch_dropout")
+    augment += ("random_erasing",)
     hyperparameters = {
         "learning_rate": training.learning_rate,
         "per_device_train_batch_size": training.per_device_train_batch_size,
@@ -371,6 +372,11 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "gradient_checkpointing": training.gradient_checkpointing,
         "torch_compile_regions": bool(training.torch_compile_regions),  # resolved: on by default on a GPU
         "label_smoothing": training.label_smoothing_factor,
+        "layer_decay": training.layer_decay if training.layer_decay < 1 else None,
+        "drop_path_rate": args.model.drop_path_rate,
+        "ema_decay": f"{training.ema_decay:g} (evaluated and saved: the average)" if training.ema_decay else None,
+        "load_best_model_at_end": (training.load_best_model_at_end and f"best {training.metric_for_best_model}")
+        or None,
         "class_weights": args.augment.class_weights,
         "multi_label_threshold": args.data.multi_label_threshold if splits.multi_label else None,
         **{name: getattr(args.augment, name) for name in augment},
