@@ -38,10 +38,8 @@ def layer_decay_groups(model: nn.Module, decay: float, lr: float, weight_decay: 
     whatever comes before the layers) are layer 0, the head (and whatever comes after) L + 1, as BEiT, MAE and timm.
     Weight decay where the Trainer puts it (`decay_names`). The head's group comes first: the logged rate is its."""
     layers = transformer_layers(model)
-    depth, inside, after = len(layers), {}, False
-    for i, layer in enumerate(layers):
-        inside.update({id(p): i + 1 for p in layer.parameters()})
-    groups: dict[tuple[int, bool], list] = {}
+    depth, after, groups = len(layers), False, {}
+    inside = {id(p): i + 1 for i, layer in enumerate(layers) for p in layer.parameters()}
     for name, p in model.named_parameters():
         after = after or id(p) in inside
         layer = inside.get(id(p), depth + 1 if after else 0)
@@ -63,11 +61,10 @@ def add_drop_path(model: nn.Module, rate: float) -> int:
             f"--drop_path_rate: {type(layers[0]).__name__} has neither a drop_path_rate config field nor a known "
             "residual dropout to follow: drop --drop_path_rate"
         )
-    depth = len(layers)
     for i, layer in enumerate(layers):
-        p = rate * i / max(depth - 1, 1)
+        p = rate * i / max(len(layers) - 1, 1)
         layer.dropout.register_forward_hook(lambda m, args, out, p=p: drop_path(out, p) if m.training else out)
-    return depth
+    return len(layers)
 
 
 def drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -87,7 +84,7 @@ class WeightAverage(TrainerCallback):
         self.decay, self.average = decay, None
 
     @staticmethod
-    def _params(model: nn.Module) -> dict[str, torch.Tensor]:  # torch.compile's wrapper renames nothing we keep
+    def _params(model: nn.Module) -> dict[str, torch.Tensor]:  # names as saved, without torch.compile's prefix
         return {n.replace("_orig_mod.", ""): p for n, p in model.named_parameters() if p.requires_grad}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -101,15 +98,14 @@ class WeightAverage(TrainerCallback):
         torch._foreach_lerp_(list(self.average.values()), weights, 1 - self.decay)
 
     def save(self, folder: str) -> None:
-        save_file({n: t.contiguous() for n, t in self.average.items()}, os.path.join(folder, EMA_FILE))
+        save_file(self.average, os.path.join(folder, EMA_FILE))
 
     def load(self, folder: str, model: nn.Module) -> None:
         path = os.path.join(folder, EMA_FILE)
         if not os.path.isfile(path):
             logger.warning("%s has no %s: the weight average restarts from its weights", folder, EMA_FILE)
             return
-        device = next(iter(self._params(model).values())).device
-        self.average = load_file(path, device=str(device))
+        self.average = load_file(path, device=str(next(iter(self._params(model).values())).device))
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
