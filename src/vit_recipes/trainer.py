@@ -66,16 +66,8 @@ class ImageClassificationTrainer(Trainer):
     smoothing, mixup/cutmix soft targets, multi-label BCE), checkpoints that record their run and loss last, once
     complete (run_dir.py), resumes that never train past the last step, and our model card."""
 
-    def __init__(
-        self,
-        *args,
-        train_transform=None,
-        eval_transform=None,
-        mixup=None,
-        class_weights=None,
-        sample_weights=None,
-        **kw,
-    ):
+    def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, class_weights=None,
+                 sample_weights=None, **kw):  # fmt: skip
         super().__init__(*args, **kw)
         self.sample_weights = sample_weights  # --class_weights balanced_sampler: one draw weight per training image
         self.class_weights = None if class_weights is None else class_weights.to(self.args.device)  # training loss
