@@ -19,7 +19,10 @@ the process's peak RSS on a CPU) and the size of what was saved. Target: LoRA wi
 Fashion-MNIST's idx files are read from --fashion_mnist (default /usr/share/datasets/fashion-mnist, where Debian's
 dataset-fashion-mnist package puts them).
 
-Writes OUT/lora_transfer.json and OUT/lora_transfer.md.
+    python benchmarks/transfer.py --size small --methods full layer_decay drop_path ema random_erasing levers
+        # timm's levers on full fine-tuning (CPU): each picks its learning rate as full fine-tuning does
+
+Writes OUT/lora_transfer.json and OUT/lora_transfer.md (OUT/levers_transfer.* for levers).
 """
 
 from __future__ import annotations
@@ -69,6 +72,18 @@ METHOD_NAMES = {
     "lora_all": "LoRA (all linear layers)",
     "head": "Head only (frozen backbone)",
 }
+# timm's fine-tuning levers, each on full fine-tuning (`--methods full layer_decay ...`); "levers" turns on all four.
+# They share full fine-tuning's learning rates unless the size names their own.
+LEVERS = ("layer_decay", "drop_path", "ema", "random_erasing", "levers")
+LEVER_FLAGS = {
+    "layer_decay": ["--layer_decay", "0.75"],
+    "drop_path": ["--drop_path_rate", "0.1"],
+    "ema": ["--ema_decay", "0.99"],
+    "random_erasing": ["--random_erasing", "0.25"],
+}
+METHOD_FLAGS.update(LEVER_FLAGS, levers=[flag for flags in LEVER_FLAGS.values() for flag in flags])
+METHOD_NAMES.update({m: f"Full + {' '.join(f)}" for m, f in METHOD_FLAGS.items() if m in LEVERS[:-1]})
+METHOD_NAMES["levers"] = "Full + all four levers"
 
 
 @dataclass
@@ -395,7 +410,7 @@ def finetune(
 
 def summarise(runs: list[RunResult]) -> dict[str, dict]:
     summary = {}
-    for method in METHODS:
+    for method in METHODS + LEVERS:
         mine = [r for r in runs if r.stage == method]
         if not mine:
             continue
@@ -425,6 +440,13 @@ def summarise(runs: list[RunResult]) -> dict[str, dict]:
 def verdict(summary: dict[str, dict]) -> dict:
     """Points between methods (test accuracy means): each LoRA variant against full fine-tuning and the head alone."""
     out = {}
+    for lever in LEVERS:  # points over full fine-tuning, and how many standard deviations (of the two) that is
+        if lever in summary and "full" in summary:
+            a, b = summary[lever], summary["full"]
+            gain = a["test_accuracy_mean"] - b["test_accuracy_mean"]
+            spread = max(a["test_accuracy_std"], b["test_accuracy_std"], 1e-9)
+            out[f"{lever}_gain_over_full_points"] = round(100 * gain, 2)
+            out[f"{lever}_pays"] = gain > spread  # above full by more than either's seed-to-seed spread
     for lora in ("lora", "lora_all"):
         if lora not in summary:
             continue
@@ -482,6 +504,11 @@ def markdown(record: dict) -> str:
             lines.append(
                 f"{label} is {abs(lead):.2f} points {'above' if lead >= 0 else 'below'} the frozen backbone (head only)."
             )
+    for lever in LEVERS:
+        if f"{lever}_gain_over_full_points" in v:
+            gain, pays = v[f"{lever}_gain_over_full_points"], v[f"{lever}_pays"]
+            verdict_text = "pays (more than the seed-to-seed sd)" if pays else "does not pay here"
+            lines.append(f"{METHOD_NAMES[lever]}: {gain:+.2f} points over full fine-tuning: {verdict_text}.")
     for method, tried in record.get("lr_selection", {}).items():
         grid = ", ".join(f"{t['lr']:g}: {t['validation_accuracy']:.4f}" for t in tried)
         lines.append(f"{METHOD_NAMES[method]}: learning rate chosen on validation (first seed) among {grid}.")
@@ -499,6 +526,11 @@ def device_description() -> str:
     except Exception:  # pragma: no cover
         pass
     return f"CPU ({os.cpu_count()} cores)"
+
+
+def record_stem(runs) -> str:
+    """lora_transfer, or levers_transfer for a record of timm's levers."""
+    return "levers_transfer" if any(r.stage in LEVERS for r in runs) else "lora_transfer"
 
 
 def write_record(
@@ -523,7 +555,7 @@ def write_record(
         "skipped": skipped or [],
         "commands": [" ".join(map(shlex.quote, ["python", *r.command])) for r in [base, *runs]],
     }
-    (out / "lora_transfer.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{record_stem(runs)}.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
@@ -577,7 +609,7 @@ def run_check(
         return result
 
     for method in methods:  # the first seed, choosing the learning rate on validation
-        rates = spec.learning_rates[method]
+        rates = spec.learning_rates.get(method, spec.learning_rates["full"])
         rates = rates if isinstance(rates, list) else [rates]
         tried = [(lr, one(method, seeds[0], lr)) for lr in rates]
         tried = [(lr, r) for lr, r in tried if r is not None]
@@ -603,7 +635,7 @@ def run_check(
                 record = write_record(out, size, spec, seeds, base, runs, chosen, selection, skipped)
     record = write_record(out, size, spec, seeds, base, runs, chosen, selection, skipped)
     table = markdown(record)
-    (out / "lora_transfer.md").write_text(table)
+    (out / f"{record_stem(runs)}.md").write_text(table)
     print(table)
     return record
 
@@ -613,7 +645,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results/lora_transfer", help="where the JSON and table go")
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--work", default=None, help="datasets, checkpoints and logs (default: OUT/work)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS + LEVERS, default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=None)
     parser.add_argument("--fashion_mnist", default=FASHION_MNIST, help="folder of the Fashion-MNIST idx .gz files")
     parser.add_argument("--stage", choices=["all", "pretrain"], default="all", help="pretrain: only make the base")

@@ -11,7 +11,7 @@ LAYERS = [
     {"metric", "classifiers"},  # import nothing of the package (metric: the evaluate module, numpy only)
     {"errors", "strategies", "images", "transforms", "metrics", "patch_embedding", "flops", "meter", "interrupt"}
     | {"reports", "plots", "timeline", "__init__"},
-    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout"},
+    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers"},
     {"data", "memory", "lora"},
     {"checks", "modeling", "card", "observability"},
     {"plan", "adapters"},

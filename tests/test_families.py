@@ -115,6 +115,9 @@ def test_each_family_trains_saves_and_reloads_with_pipeline(family, cifar_like, 
         ("resnet", ("--gradient_checkpointing", "true"), "transformers has no activation checkpointing for ResNet"),
         ("swin", ("--patch_dropout", "0.5"), "--patch_dropout needs a ViT-style model .* SwinForImage"),
         ("convnext", ("--patch_dropout", "0.5"), "--patch_dropout needs a ViT-style model .* ConvNextForImage"),
+        ("swin", ("--layer_decay", "0.75"), "--layer_decay needs a model whose transformer layers form one stack"),
+        ("convnext", ("--layer_decay", "0.75"), "--layer_decay needs .* ConvNextForImageClassification has none"),
+        ("resnet", ("--drop_path_rate", "0.1"), "--drop_path_rate needs .* ResNetForImageClassification has none"),
     ],
 )
 def test_a_vit_only_feature_on_another_family_is_one_line_before_any_data(

@@ -25,6 +25,7 @@ def aug_args(**overrides):
         mixup_alpha=0.0,
         cutmix_alpha=0.0,
         eval_crop_pct=1.0,
+        random_erasing=0.0,
     )
     return SimpleNamespace(**{**defaults, **overrides})
 

@@ -62,6 +62,13 @@ class ModelArguments:
         "Attention kernel: 'auto' (SDPA where the model has it, else eager; one log line says which), 'sdpa' or "
         "'eager'.",
     )
+    drop_path_rate: float | None = _arg(
+        None,
+        "Stochastic depth (timm's drop_path_rate): the deepest layer's chance of skipping each residual branch of a "
+        "training sample, growing linearly from 0 at the first. Sets the config's drop_path_rate where the family "
+        "has one (BEiT, DINOv2, Swin, ConvNeXt, ...); ViT and DeiT get it on their residual dropouts. Unset: the "
+        "checkpoint's own. Evaluation never drops.",
+    )
     patch_embedding_matmul: bool = _arg(
         True,
         "Compute the patch embedding (a convolution whose kernel equals its stride) as one matmul over the flattened "
@@ -130,6 +137,11 @@ class AugmentationArguments:
         0.0,
         "Fraction of patch tokens each training image drops at random (PatchDropout; timm's patch_drop_rate): "
         "shorter sequences, faster steps. Evaluation and prediction see every patch. 0 disables.",
+    )
+    random_erasing: float = _arg(
+        0.0,
+        "Probability that a training image gets one random rectangle (0.02 to 1/3 of its area, aspect 0.3-3.3) replaced "
+        "by per-pixel normal noise after normalisation (timm's RandomErasing, mode 'pixel'). 0 disables.",
     )
     class_weights: str = _arg(
         "none",
@@ -293,6 +305,17 @@ class RecipeTrainingArguments(TrainingArguments):
         "once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply. Unset: on when training "
         "on a CUDA GPU under a strategy that allows it; false: eager. A compilation that fails runs eagerly, with "
         "one warning.",
+    )
+    layer_decay: float = _arg(
+        1.0,
+        "Layer-wise learning-rate decay (BEiT, MAE, timm): layer i of L trains at learning_rate * layer_decay ** "
+        "(L + 1 - i), the embeddings as layer 0 and the head as L + 1. 1 disables; ViT-style stacks only.",
+    )
+    ema_decay: float = _arg(
+        0.0,
+        "Keep an exponential moving average of the trained weights (timm's ModelEmaV3), updated after every "
+        "optimizer step, saved in each checkpoint; the model evaluated and saved at the end is the average. "
+        "0 disables; e.g. 0.999 for a few thousand steps. Not with ZeRO-3 or FSDP.",
     )
     fp8: bool = _arg(
         False,
@@ -495,6 +518,15 @@ def _attach_negative_numbers(argv: list[str]) -> list[str]:
     return out
 
 
+_RANGES = (  # name, RunArguments field, interval; None (unset) passes
+    ("validation_split_percentage", "data", "(0, 1)"), ("crop_scale_min", "augment", "(0, 1]"),
+    ("hflip_prob", "augment", "[0, 1]"), ("eval_crop_pct", "augment", "(0, 1]"),
+    ("multi_label_threshold", "data", "(0, 1)"), ("patch_dropout", "augment", "[0, 1)"),
+    ("label_smoothing_factor", "training", "[0, 1)"), ("random_erasing", "augment", "[0, 1]"),
+    ("drop_path_rate", "model", "[0, 1)"), ("layer_decay", "training", "(0, 1]"), ("ema_decay", "training", "[0, 1)"),
+)  # fmt: skip
+
+
 def validate_arguments(args: RunArguments) -> None:
     """Reject values that would only fail (or silently misbehave) later, in one line each."""
     model, data, aug, train = args.model, args.data, args.augment, args.training
@@ -515,36 +547,32 @@ def validate_arguments(args: RunArguments) -> None:
         )
     if not (train.max_steps > 0 or train.num_train_epochs > 0):
         raise RecipeError("num_train_epochs must be > 0 (or set max_steps)")
-    if not 0 < data.validation_split_percentage < 1:
-        raise RecipeError(f"validation_split_percentage must be in (0, 1), got {data.validation_split_percentage}")
+    for name, group, interval in _RANGES:
+        value, (lo, hi) = getattr(getattr(args, group), name), map(float, interval[1:-1].split(","))
+        above = value is None or (lo < value if interval[0] == "(" else lo <= value)  # NaN fails both
+        if not (above and (value is None or (value < hi if interval[-1] == ")" else value <= hi))):
+            raise RecipeError(f"{name} must be in {interval}, got {value}")
+    if train.ema_decay and train.load_best_model_at_end:
+        raise RecipeError(
+            "--ema_decay with --load_best_model_at_end: the best checkpoint is chosen on the raw weights and the "
+            "saved model would be their average; use one of them"
+        )
     if not (data.storage_size is None or data.storage_size > 0):
         raise RecipeError(f"storage_size must be > 0, got {data.storage_size}")
-    if not 0 < aug.crop_scale_min <= 1:
-        raise RecipeError(f"crop_scale_min must be in (0, 1], got {aug.crop_scale_min}")
-    if not 0 <= aug.hflip_prob <= 1:
-        raise RecipeError(f"hflip_prob must be in [0, 1], got {aug.hflip_prob}")
     if aug.auto_augment not in ("none", "randaugment", "trivialaugment"):
         raise RecipeError(f"auto_augment must be none, randaugment or trivialaugment, got {aug.auto_augment!r}")
     if not (0 <= aug.randaugment_magnitude <= 30 and aug.randaugment_num_ops >= 1):  # torchvision's 31 bins
         raise RecipeError("randaugment_magnitude must be in [0, 30] and randaugment_num_ops >= 1")
     if not (aug.mixup_alpha >= 0 and aug.cutmix_alpha >= 0):
         raise RecipeError("mixup_alpha and cutmix_alpha must be >= 0")
-    if not 0 < aug.eval_crop_pct <= 1:
-        raise RecipeError(f"eval_crop_pct must be in (0, 1], got {aug.eval_crop_pct}")
     if train.fp8_backend != "torchao" and not (train.fp8 and train.fp8_backend == "transformer_engine"):
         raise RecipeError(f"--fp8_backend {train.fp8_backend}: use torchao or transformer_engine, with --fp8 true")
     if data.problem_type not in (None, "single_label_classification", "multi_label_classification"):
         raise RecipeError(
             f"problem_type must be single_label_classification or multi_label_classification, got {data.problem_type!r}"
         )
-    if not 0 < data.multi_label_threshold < 1:
-        raise RecipeError(f"multi_label_threshold must be in (0, 1), got {data.multi_label_threshold}")
     if aug.class_weights not in ("none", "balanced", "balanced_sampler"):
         raise RecipeError(f"class_weights must be none, balanced or balanced_sampler, got {aug.class_weights!r}")
-    if not 0 <= aug.patch_dropout < 1:
-        raise RecipeError(f"patch_dropout must be in [0, 1), got {aug.patch_dropout}")
-    if not 0 <= train.label_smoothing_factor < 1:
-        raise RecipeError(f"label_smoothing_factor must be in [0, 1), got {train.label_smoothing_factor}")
     if not (model.model_name_or_path or model.config_name):
         raise RecipeError("set --model_name_or_path to fine-tune, or --config_name to train from scratch")
     if not data.dataset_name and (train.do_train or train.do_eval):

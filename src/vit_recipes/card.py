@@ -357,58 +357,46 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
     dataset_id, _ = resolve_source(args.data.dataset_name or "")
     training = args.training
     augment = ("crop_scale_min", "hflip_prob", "auto_augment", "mixup_alpha", "cutmix_alpha", "patch_dropout")
+    augment += ("random_erasing",)
     hyperparameters = {
-        "learning_rate": training.learning_rate,
-        "per_device_train_batch_size": training.per_device_train_batch_size,
+        "learning_rate": training.learning_rate, "per_device_train_batch_size": training.per_device_train_batch_size,
         "global_batch_size": plan.global_batch,
         "num_train_epochs": training.num_train_epochs if training.max_steps <= 0 else None,
         "max_steps": training.max_steps if training.max_steps > 0 else None,
         "lr_scheduler_type": str(getattr(training.lr_scheduler_type, "value", training.lr_scheduler_type)),
-        "warmup_steps": training.warmup_steps,
-        "weight_decay": training.weight_decay,
-        "optimizer": str(getattr(training.optim, "value", training.optim)),
-        "precision": plan.precision,
+        "warmup_steps": training.warmup_steps, "weight_decay": training.weight_decay,
+        "optimizer": str(getattr(training.optim, "value", training.optim)), "precision": plan.precision,
         "gradient_checkpointing": training.gradient_checkpointing,
         "torch_compile_regions": bool(training.torch_compile_regions),  # resolved: on by default on a GPU
         "label_smoothing": training.label_smoothing_factor,
+        "layer_decay": training.layer_decay if training.layer_decay < 1 else None,
+        "drop_path_rate": args.model.drop_path_rate,
+        "ema_decay": f"{training.ema_decay:g} (evaluated and saved: the average)" if training.ema_decay else None,
+        "load_best_model_at_end": (training.load_best_model_at_end and f"best {training.metric_for_best_model}") or None,
         "class_weights": args.augment.class_weights,
         "multi_label_threshold": args.data.multi_label_threshold if splits.multi_label else None,
         **{name: getattr(args.augment, name) for name in augment},
-        "storage_size": "x".join(map(str, splits.storage_shape)),
-        "seed": training.seed,
-    }
+        "storage_size": "x".join(map(str, splits.storage_shape)), "seed": training.seed,
+    }  # fmt: skip
     repo_id = training.hub_model_id or f"<user>/{os.path.basename(os.path.abspath(training.output_dir))}"
     licence = args.model.license or _license_of(model_source, args.model.cache_dir, args.model.model_revision)
     dataset_name = dataset_id if is_hub(dataset_id) else os.path.basename(os.path.abspath(dataset_id))
     prefixes = {"test": "test_", "validation": "eval_"}
     evaluated = next((split for split, p in prefixes.items() if any(k.startswith(p) for k in results)), None)
     return CardInfo(
-        model_name=repo_id.split("/")[-1],
-        repo_id=repo_id,
-        base_model=model_source if is_hub(model_source) else None,
+        model_name=repo_id.split("/")[-1], repo_id=repo_id, base_model=model_source if is_hub(model_source) else None,
         base_model_source=model_source,  # None: trained from scratch
-        dataset_id=dataset_name,
-        dataset_is_hub=is_hub(dataset_id),
-        label_names=splits.label_names,
+        dataset_id=dataset_name, dataset_is_hub=is_hub(dataset_id), label_names=splits.label_names,
         validation_metrics={k: v for k, v in results.items() if k.startswith("eval_")},
         test_metrics={k: v for k, v in results.items() if k.startswith("test_")},
-        command=reproduce_command(plan.strategy, argv),
-        recipe=args.recipe,
-        recipe_text=Path(args.recipe).read_text() if args.recipe else None,
-        strategy=plan.strategy.name,
-        hardware=hardware_description(),
-        throughput=images_per_second,
-        per_class_markdown=reports.get("markdown"),
+        command=reproduce_command(plan.strategy, argv), recipe=args.recipe,
+        recipe_text=Path(args.recipe).read_text() if args.recipe else None, strategy=plan.strategy.name,
+        hardware=hardware_description(), throughput=images_per_second, per_class_markdown=reports.get("markdown"),
         confusion_matrix_file=os.path.basename(reports["confusion_matrix"]) if "confusion_matrix" in reports else None,
-        multi_label=splits.multi_label,
-        imbalance=imbalance(splits),
-        worst_recall=reports.get("worst_recall", []),
-        data_notes=list(splits.notes),
-        eval_history=[e for e in history if "eval_loss" in e],
+        multi_label=splits.multi_label, imbalance=imbalance(splits), worst_recall=reports.get("worst_recall", []),
+        data_notes=list(splits.notes), eval_history=[e for e in history if "eval_loss" in e],
         versions=_versions(plan.strategy, args.lora.method != "full"),
-        limitations=_limitations(splits, dataset_name, evaluated),
-        license=licence,
-        source=_source(),
+        limitations=_limitations(splits, dataset_name, evaluated), license=licence, source=_source(),
         # hyperparameters, the method's included; LoRA adapters: library peft, tags
         **finetune.card_fields({k: v for k, v in hyperparameters.items() if v is not None}),
-    )
+    )  # fmt: skip

@@ -24,6 +24,7 @@ from .hub import (
     written_as_path,
 )
 from .launch import is_true, visible_gpus
+from .levers import add_drop_path, transformer_layers
 from .memory import config_from_args, host_memory_for, model_size_from_args
 from .patch_dropout import token_embeddings
 from .run_dir import WRITE_PROBE
@@ -68,7 +69,11 @@ def check_plan(plan, args) -> None:
     if plan.precision == "bf16" and plan.device == "cuda" and not gpu_bf16_ok():
         raise RecipeError("bf16 is not supported by this GPU (it needs Ampere or newer): use --fp16 true instead")
     asked = {"torch_compile_regions": getattr(t, "torch_compile_regions", False), "fp8": getattr(t, "fp8", False)}
-    for feature, on in {**asked, "lora": args.lora.use_peft}.items():  # what the strategy's table row refuses
+    for feature, on in {
+        **asked,
+        "lora": args.lora.use_peft,
+        "ema": t.ema_decay > 0,
+    }.items():  # what the strategy's table row refuses
         if on and not strategy.spec.supports(feature):
             refusal, source = strategy.spec.refusals[feature], strategy.deepspeed_source
             raise RecipeError(f"{source}: {refusal}" if source else refusal)
@@ -78,7 +83,7 @@ def check_plan(plan, args) -> None:
         check_host_memory(strategy, args.model)
     if getattr(t, "fp8", False):
         check_fp8(cpu, t, args.lora.use_peft)
-    if t.gradient_checkpointing or args.augment.patch_dropout:
+    if t.gradient_checkpointing or args.augment.patch_dropout or t.layer_decay < 1 or args.model.drop_path_rate:
         check_model_family(args)
     check_resume(strategy, plan.resume_from)  # before the output dir's refusal: it says more about ZeRO shards
     if plan.output.refusal:
@@ -187,6 +192,11 @@ def _check_deepspeed(plan, t) -> None:
             f'{name} conflicts with the arguments: {"; ".join(conflicts)}. Set these to "auto" in the JSON '
             "so the arguments decide, or change the arguments to match"
         )
+    if t.layer_decay < 1 and config_value(strategy.deepspeed_config, "optimizer"):
+        raise RecipeError(
+            f"{name} builds its own optimizer, one learning rate for all parameters: --layer_decay needs the "
+            "Trainer's (remove the JSON's \"optimizer\" section) or drop --layer_decay"
+        )
     hpz = config_value(strategy.deepspeed_config, "zero_optimization.zero_hpz_partition_size")
     if isinstance(hpz, int) and hpz > 1 and strategy.world_size % hpz:
         raise RecipeError(
@@ -197,7 +207,8 @@ def _check_deepspeed(plan, t) -> None:
 
 def check_model_family(args) -> None:
     """Features some model families lack, refused before any data loads: gradient checkpointing (transformers has
-    none for e.g. ConvNeXt or ResNet) and patch dropout (ViT-style models with a [CLS] token only)."""
+    none for e.g. ConvNeXt or ResNet), patch dropout (ViT-style models with a [CLS] token only), layer decay and
+    drop path (one stack of transformer layers; drop path also where the config has a drop_path_rate)."""
     from accelerate import init_empty_weights
 
     try:
@@ -214,6 +225,10 @@ def check_model_family(args) -> None:
         )
     if args.augment.patch_dropout:
         token_embeddings(model)
+    if args.training.layer_decay < 1:
+        transformer_layers(model)
+    if args.model.drop_path_rate and not hasattr(config, "drop_path_rate"):
+        add_drop_path(model, args.model.drop_path_rate)
 
 
 def check_host_memory(strategy, model_args) -> None:

@@ -24,6 +24,7 @@ from transformers.utils import logging as hf_logging
 from .arguments import LoraArguments, ModelArguments
 from .classifiers import classifier_class
 from .errors import RecipeError, first_line
+from .levers import add_drop_path
 from .lora import (
     adapter_base,
     apply_lora,
@@ -91,6 +92,10 @@ def build_model(model_args, label_names: list[str]):
     image_size = check_config(
         config, source, None if getattr(config, "image_size", None) else processor_image_size(model_args)
     )
+    rate, own = model_args.drop_path_rate, hasattr(config, "drop_path_rate")  # BEiT, DINOv2, Swin, ConvNeXt, ...
+    if rate is not None and own:
+        config.drop_path_rate = rate
+        logger.warning("Stochastic depth: config.drop_path_rate %g (%s's own drop path)", rate, config.model_type)
     kwargs = {"config": config, "attn_implementation": attention_for(config, model_args.attn_implementation)}
     if pretrained:
         loader, name = AutoModelForImageClassification.from_pretrained, source
@@ -131,6 +136,9 @@ def build_model(model_args, label_names: list[str]):
         model = AutoModelForImageClassification.from_config(**kwargs)
         millions = sum(p.numel() for p in model.parameters()) / 1e6
         logger.info("Training from scratch: %s with %.1fM parameters", config.model_type, millions)
+    if rate and not own:
+        logger.warning("Stochastic depth: a drop path (rates 0 to %g) after the residual dropouts", rate)
+        add_drop_path(model, rate)
     use_patch_matmul(model, model_args.patch_embedding_matmul)
     return model, image_size
 

@@ -116,18 +116,13 @@ def build_trainer(
         config.problem_type = MULTI_LABEL if splits.multi_label else None
     try:
         trainer = ImageClassificationTrainer(
-            model=model,
-            args=training,
-            train_dataset=splits.train,
-            eval_dataset=splits.validation,
+            model=model, args=training, train_dataset=splits.train, eval_dataset=splits.validation,
             data_collator=PixelCollator(splits.storage_shape),  # predicting alone: set by predict_folder
             compute_metrics=make_compute_metrics(None, splits.multi_label, args.data.multi_label_threshold),
-            train_transform=train_transform,
-            eval_transform=eval_transform,
+            train_transform=train_transform, eval_transform=eval_transform,
             mixup=build_mixup(args.augment, len(splits.label_names), training.label_smoothing_factor),
-            class_weights=weights,
-            sample_weights=sample_weights,
-        )
+            class_weights=weights, sample_weights=sample_weights,
+        )  # fmt: skip
     except Exception as err:
         if training.push_to_hub:  # the Trainer creates the Hub repository up front
             raise RecipeError(hub_error_message(err, "create the model repository")) from None

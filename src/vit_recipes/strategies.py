@@ -18,7 +18,7 @@ class StrategySpec:
     zero_stage: int | None  # DeepSpeed ZeRO stage (None: not DeepSpeed)
     shards: str  # what each process holds only a shard of
     offload: bool = False  # optimizer states (and, for stage 3 and FSDP2, parameters) live in host memory
-    # Features refused, each with its one-line reason (keys: `lora`, `torch_compile_regions`, `fp8`); others work.
+    # Features refused, each with its one-line reason (keys: `lora`, `torch_compile_regions`, `fp8`, `ema`).
     refusals: dict[str, str] = field(default_factory=dict)
 
     def supports(self, feature: str) -> bool:
@@ -66,6 +66,8 @@ def _spec(name, label, accelerate, deepspeed, stage, shards) -> StrategySpec:
         refusals["fp8"] = _FP8_SHARDED.format(label=label)
     if stage == 3:
         refusals["torch_compile_regions"] = _ZERO3_REGIONS
+    if stage == 3 or name.startswith("fsdp"):  # each process holds a shard of each weight, not the weight
+        refusals["ema"] = f"--ema_decay averages whole weights and {label} shards them: drop it, or use ZeRO-2 or DDP"
     accelerate, deepspeed = accelerate and f"accelerate_configs/{accelerate}", deepspeed and f"ds_configs/{deepspeed}"
     return StrategySpec(name, label, accelerate, deepspeed, stage, shards, name.endswith("_offload"), refusals)
 

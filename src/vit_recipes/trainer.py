@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import time
@@ -19,8 +20,11 @@ from .adapters import without_activation_wrappers
 from .card import write_model_card
 from .errors import RecipeError, first_line
 from .interrupt import RunInterrupted, StopOnSignal, worker_ignores_stop_signals
+from .levers import WeightAverage, layer_decay_groups
 from .run_dir import mark_complete, write_loss_record
 from .transforms import smooth_targets
+
+logger = logging.getLogger(__name__)
 
 
 def steps_to_parameter_devices(optimizer) -> int:
@@ -62,16 +66,8 @@ class ImageClassificationTrainer(Trainer):
     smoothing, mixup/cutmix soft targets, multi-label BCE), checkpoints that record their run and loss last, once
     complete (run_dir.py), resumes that never train past the last step, and our model card."""
 
-    def __init__(
-        self,
-        *args,
-        train_transform=None,
-        eval_transform=None,
-        mixup=None,
-        class_weights=None,
-        sample_weights=None,
-        **kw,
-    ):
+    def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, class_weights=None,
+                 sample_weights=None, **kw):  # fmt: skip
         super().__init__(*args, **kw)
         self.sample_weights = sample_weights  # --class_weights balanced_sampler: one draw weight per training image
         self.class_weights = None if class_weights is None else class_weights.to(self.args.device)  # training loss
@@ -93,6 +89,9 @@ class ImageClassificationTrainer(Trainer):
         self.add_callback(_StopAtTheLastStep())
         self.stop_on_signal = StopOnSignal()  # SIGINT/SIGTERM: checkpoint at the next step end, then stop
         self.add_callback(self.stop_on_signal)
+        self.ema = WeightAverage(self.args.ema_decay) if getattr(self.args, "ema_decay", 0) else None
+        if self.ema is not None:
+            self.add_callback(self.ema)
         # Profiler regions: data, augment, forward, backward (DeepSpeed's includes its optimizer step) here.
         backward = self.accelerator.backward
 
@@ -131,16 +130,33 @@ class ImageClassificationTrainer(Trainer):
             universal = os.path.isfile(os.path.join(resume_from_checkpoint, "latest_universal"))
             ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
             ds_config.setdefault("checkpoint", {})["load_universal"] = universal
+        if self.ema is not None and resume_from_checkpoint:
+            self.ema.load(resume_from_checkpoint, self.model)
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next
             self.is_in_train = False
-            return TrainOutput(self.state.global_step, 0.0, {})
+            if self.args.load_best_model_at_end and self.state.best_model_checkpoint:  # as the Trainer's end does
+                self._load_best_model()
+            output = TrainOutput(self.state.global_step, 0.0, {})
         finally:
             self.stop_on_signal.on_train_end(self.args, self.state, self.control)  # handlers off, however it ended
         if self.stop_on_signal.stopped_at is not None:  # saved on a signal: not a finished run
             raise RunInterrupted(self.stop_on_signal.stopped_at, self.stop_on_signal.signum)
+        if self.ema is not None and self.ema.average is not None:
+            self.ema.copy_to(self.model)
         return output
+
+    def create_optimizer(self, model=None):
+        decay = getattr(self.args, "layer_decay", 1.0)
+        if self.optimizer is None and decay < 1:  # the Trainer's optimizer class and settings, on our groups
+            model = model if model is not None else self.model
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            groups = layer_decay_groups(
+                model, decay, self.args.learning_rate, self.args.weight_decay, self.get_decay_parameter_names(model)
+            )
+            self.optimizer_cls_and_kwargs = (cls, {**kwargs, "params": groups})  # "params": the Trainer's override
+        return super().create_optimizer(model)
 
     def mean_loss_sum(self) -> float:
         """`loss_sum` averaged over the ranks, as the Trainer's train_loss averages them (a collective: every rank)."""
@@ -252,6 +268,8 @@ class ImageClassificationTrainer(Trainer):
         loss_sum = self.mean_loss_sum()
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
+            if self.ema is not None:
+                self.ema.save(folder)
             write_loss_record(folder, loss_sum, self.state.global_step)
             mark_complete(folder, self.run_identity)
 
@@ -277,6 +295,16 @@ class ImageClassificationTrainer(Trainer):
                 f"cannot read the weights of {resume_from_checkpoint} ({first_line(err)}): delete that folder to "
                 "resume from the checkpoint before it, or pass --overwrite_output_dir to start over"
             ) from err
+
+    def _load_best_model(self):
+        # The Trainer's own loader reads the best checkpoint with a non-strict load_state_dict, which (5.2x key names,
+        # as in _load_from_checkpoint) loads the head and embeddings alone and keeps the last step's layers.
+        best = self.state.best_model_checkpoint
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(self.model, PreTrainedModel)
+        if not (plain and os.path.isfile(os.path.join(best, SAFE_WEIGHTS_NAME))):
+            return super()._load_best_model()  # LoRA: peft's load_adapter; DeepSpeed: its own loader
+        logger.info("Loading the best model from %s (score %s)", best, self.state.best_metric)
+        self._load_from_checkpoint(best)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -239,24 +239,36 @@ class RandomOps(nn.Module):
         return op_ids, table[op_ids, bins] * torch.where(negate, -1.0, 1.0)
 
 
-class TrainTransform(_Normalized):
-    """uint8 (B, 3, H, W) -> float32 (B, 3, S, S): random-resized crop + flip, optional RandAugment, normalise."""
+def random_erase(x: Tensor, prob: float, attempts: int = 10) -> Tensor:
+    """timm's RandomErasing (mode 'pixel', one box), batched: each image, with probability `prob`, gets a box of area
+    U(0.02, 1/3) of the image and log-uniform aspect in (0.3, 3.3) (the first of `attempts` draws that fits; none:
+    no box), at a uniform position, filled with N(0, 1) noise per pixel and channel (x is normalised)."""
+    batch, _, height, width = x.shape
+    u = torch.rand(batch, 2 * attempts + 3, device=x.device)
+    area = height * width * (0.02 + (1 / 3 - 0.02) * u[:, :attempts])
+    aspect = torch.exp(math.log(0.3) + (math.log(3.3) - math.log(0.3)) * u[:, attempts:-3])
+    h, w = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()
+    fits = (h < height) & (w < width)
+    first = fits.int().argmax(1, keepdim=True)
+    h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
+    erase = fits.any(1) & (u[:, -1] < prob)
+    top, left = (((size - side + 1) * v).floor() for size, side, v in ((height, h, u[:, -3]), (width, w, u[:, -2])))
+    rows, cols = torch.arange(height, device=x.device), torch.arange(width, device=x.device)
+    inside_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])
+    inside_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])
+    box = erase[:, None, None, None] & inside_rows[:, None, :, None] & inside_cols[:, None, None, :]
+    return torch.where(box, torch.randn_like(x), x)
 
-    def __init__(
-        self,
-        image_size: int,
-        mean: float | Sequence[float],
-        std: float | Sequence[float],
-        crop_scale_min: float = 0.08,
-        hflip_prob: float = 0.5,
-        auto_augment: str = "none",
-        randaugment_num_ops: int = 2,
-        randaugment_magnitude: int = 9,
-    ):
+
+class TrainTransform(_Normalized):
+    """uint8 (B, 3, H, W) -> float32 (B, 3, S, S): random-resized crop + flip, optional RandAugment, normalise,
+    optional random erasing."""
+
+    def __init__(self, image_size: int, mean, std, crop_scale_min=0.08, hflip_prob=0.5, auto_augment="none",
+                 randaugment_num_ops=2, randaugment_magnitude=9, random_erasing=0.0):  # fmt: skip
         super().__init__(image_size, mean, std)
-        self.crop_scale = (float(crop_scale_min), 1.0)
-        self.hflip_prob = float(hflip_prob)
-        self.random_ops = None
+        self.crop_scale, self.hflip_prob = (float(crop_scale_min), 1.0), float(hflip_prob)
+        self.random_erasing, self.random_ops = float(random_erasing), None
         if auto_augment not in (None, "none"):
             self.random_ops = RandomOps(auto_augment, image_size, randaugment_num_ops, randaugment_magnitude)
 
@@ -267,7 +279,8 @@ class TrainTransform(_Normalized):
         x = resample(x, theta, self.image_size, padding_mode="border")  # border: edge pixels, as a resize would
         if self.random_ops is not None:
             x = self.random_ops(x)
-        return self.normalize(x)
+        x = self.normalize(x)
+        return random_erase(x, self.random_erasing) if self.random_erasing > 0 else x
 
 
 class EvalTransform(_Normalized):
@@ -299,6 +312,7 @@ class EvalTransform(_Normalized):
 def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransform, EvalTransform]:
     """The train and eval transforms an AugmentationArguments describes."""
     train_fields = ("crop_scale_min", "hflip_prob", "auto_augment", "randaugment_num_ops", "randaugment_magnitude")
+    train_fields += ("random_erasing",)
     train = TrainTransform(image_size, mean, std, **{name: getattr(aug_args, name) for name in train_fields})
     return train, EvalTransform(image_size, mean, std, aug_args.eval_crop_pct)
 

@@ -1,0 +1,116 @@
+"""timm's fine-tuning levers on transformers models: layer-wise learning-rate decay (`--layer_decay`), stochastic
+depth (`--drop_path_rate`) and an exponential moving average of the weights (`--ema_decay`, timm's ModelEmaV3)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import TrainerCallback
+
+from .errors import RecipeError
+
+logger = logging.getLogger(__name__)
+EMA_FILE = "ema.safetensors"  # in each checkpoint: the average, restored on resume
+# Layers whose one `dropout` sits right before both residual adds (transformers 5.2x), so a per-sample drop path
+# after it is timm's stochastic depth; the families with a `drop_path_rate` config field have their own.
+DROPOUT_BEFORE_RESIDUAL = {"ViTLayer", "DeiTLayer", "ViTMSNLayer", "IJepaLayer"}
+
+
+def transformer_layers(model: nn.Module, flag: str = "--layer_decay") -> nn.ModuleList:
+    """The model's one stack of `num_hidden_layers` transformer layers (ViT, DeiT, BEiT, DINOv2, ...)."""
+    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    for module in model.modules():
+        names = {type(m).__name__ for m in module} if isinstance(module, nn.ModuleList) else set()
+        if len(names) == 1 and len(module) == depth and names.pop().endswith(("Layer", "Block")):
+            return module
+    raise RecipeError(
+        f"{flag} needs a model whose transformer layers form one stack (ViT, DeiT, BEiT, DINOv2, ...); "
+        f"{type(model).__name__} has none: drop {flag}"
+    )
+
+
+def layer_decay_groups(model: nn.Module, decay: float, lr: float, weight_decay: float, decay_names) -> list[dict]:
+    """Optimizer groups of the trainable parameters, lr * decay ** (L + 1 - i) for layer i of L: the embeddings (and
+    whatever comes before the layers) are layer 0, the head (and whatever comes after) L + 1, as BEiT, MAE and timm.
+    Weight decay where the Trainer puts it (`decay_names`). The head's group comes first: the logged rate is its."""
+    layers = transformer_layers(model)
+    depth, after, groups = len(layers), False, {}
+    inside = {id(p): i + 1 for i, layer in enumerate(layers) for p in layer.parameters()}
+    for name, p in model.named_parameters():
+        after = after or id(p) in inside
+        layer = inside.get(id(p), depth + 1 if after else 0)
+        if p.requires_grad:  # LoRA and head-only runs: the adapters and the head alone
+            groups.setdefault((layer, name in decay_names), []).append(p)
+    return [
+        {"params": params, "lr": lr * decay ** (depth + 1 - layer), "weight_decay": weight_decay if wd else 0.0}
+        for (layer, wd), params in sorted(groups.items(), reverse=True)
+    ]
+
+
+def add_drop_path(model: nn.Module, rate: float) -> int:
+    """Stochastic depth on layers without it: each layer's residual-branch dropout is followed by a per-sample drop
+    path, rate growing linearly over depth to `rate` (timm). A forward hook, in training only: weights, state dict
+    keys and the saved model stay plain. Returns the number of layers."""
+    layers = transformer_layers(model, "--drop_path_rate")
+    if type(layers[0]).__name__ not in DROPOUT_BEFORE_RESIDUAL or not isinstance(layers[0].dropout, nn.Dropout):
+        raise RecipeError(
+            f"--drop_path_rate: {type(layers[0]).__name__} has neither a drop_path_rate config field nor a known "
+            "residual dropout to follow: drop --drop_path_rate"
+        )
+    for i, layer in enumerate(layers):
+        p = rate * i / max(len(layers) - 1, 1)
+        layer.dropout.register_forward_hook(lambda m, args, out, p=p: drop_path(out, p) if m.training else out)
+    return len(layers)
+
+
+def drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Zero each sample's residual branch with probability p, scale the kept ones by 1 / (1 - p)."""
+    if p <= 0:
+        return x
+    keep = torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), device=x.device) >= p
+    return x * keep.to(x.dtype) / (1 - p)
+
+
+class WeightAverage(TrainerCallback):
+    """--ema_decay: after each optimizer step, ema = decay * ema + (1 - decay) * weights, in fp32, over the trained
+    parameters (LoRA: the adapters and head). Saved in each checkpoint and restored on resume, so a resumed run ends
+    on the same average; copied into the model at the end, so evaluation, the saved model and the card use it."""
+
+    def __init__(self, decay: float):
+        self.decay, self.average = decay, None
+
+    @staticmethod
+    def _params(model: nn.Module) -> dict[str, torch.Tensor]:  # names as saved, without torch.compile's prefix
+        return {n.replace("_orig_mod.", ""): p for n, p in model.named_parameters() if p.requires_grad}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.average is None:  # a fresh run (a resume loaded it)
+            self.average = {n: p.detach().float().clone() for n, p in self._params(model).items()}
+
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        params = self._params(model)
+        weights = [params[n].detach().float() for n in self.average]
+        torch._foreach_lerp_(list(self.average.values()), weights, 1 - self.decay)
+
+    def save(self, folder: str) -> None:
+        save_file(self.average, os.path.join(folder, EMA_FILE))
+
+    def load(self, folder: str, model: nn.Module) -> None:
+        path = os.path.join(folder, EMA_FILE)
+        if not os.path.isfile(path):
+            logger.warning("%s has no %s: the weight average restarts from its weights", folder, EMA_FILE)
+            return
+        self.average = load_file(path, device=str(next(iter(self._params(model).values())).device))
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module) -> None:
+        for name, p in self._params(model).items():
+            p.copy_(self.average[name])
+        logger.warning(
+            "--ema_decay %g: the model is now the weight average; it is what is evaluated and saved", self.decay
+        )
