@@ -19,7 +19,7 @@ Hub (CIFAR-100-shaped PNGs, randomly initialised ViT-B/16 and ViT-H/14), then ch
 - resume: DDP, ZeRO-1, ZeRO-2, FSDP2 checkpoints resumed on another GPU count (all -> 1 and 1 -> all, global batch
   kept): steps 11-30 within LOSS_TOLERANCE of the uninterrupted run's; ZeRO-3 on another count: its one-line refusal;
 - single (one GPU): the default command (short and cold: eager; after a compiled run of the same model and batch:
-  compiled from the warm cache), --torch_compile_regions true, --patch_dropout 0.5, LoRA (saved, merged, reloaded),
+  compiled from the warm cache), --torch_compile_regions true, the fine-tuning levers together, --patch_dropout 0.5, LoRA (saved, merged, reloaded),
   multi-label, --class_weights balanced, predict-only from a trained folder, TE FP8 (where transformer_engine imports);
 - vith: the README's `accelerate launch --config_file accelerate_configs/zero3.yaml` command with the ViT-H recipe on
   every GPU, and the same command without --num_processes (on fewer than 8 GPUs: the one-line refusal).
@@ -253,7 +253,19 @@ class Suite:
         self.training("default-again", **one, needs=("compiled",))
         self.training("patch-dropout", **one, extra=("--patch_dropout", "0.5"))
         self.training("lora", **one, extra=("--use_peft", "true", "--merge_adapter", "true"))
-        self.score(["default", "patch-dropout", "lora"], "single")
+        # The fine-tuning levers together: the saved model is the EMA of the weights, a plain one pipeline() reloads
+        levers = (
+            "--layer_decay",
+            "0.75",
+            "--drop_path_rate",
+            "0.1",
+            "--ema_decay",
+            "0.99",
+            "--random_erasing",
+            "0.25",
+        )
+        self.training("levers", **one, extra=levers)
+        self.score(["default", "patch-dropout", "lora", "levers"], "single")
         self.training("class-weights", **one, extra=("--class_weights", "balanced"))
         labels = self.training("multi-label", **one)
         i = labels.argv.index("--dataset_name") + 1
@@ -616,6 +628,13 @@ def check_single(suite: Suite, add, ran) -> None:
             bool(adapters) and merged,
             f"adapters in {adapters}; merged model {'saved' if merged else 'missing'}",
         )
+    if "levers" in suite.jobs and ran("single", "levers"):
+        said = [
+            line for line in log_text(suite, "levers").splitlines() if "the model is now the weight average" in line
+        ]
+        add("single", "--layer_decay, --drop_path_rate, --ema_decay, --random_erasing: train, save the EMA weights",
+            "levers", len(losses(w / "levers")) == STEPS and bool(said),
+            f"{len(losses(w / 'levers'))} steps logged; {said[0].split(': ', 1)[-1][:160] if said else 'no EMA line'}")  # fmt: skip
     if "class-weights" in suite.jobs and ran("single", "class-weights"):
         results = _json(w / "class-weights" / "all_results.json")
         add(
