@@ -209,7 +209,7 @@ def test_the_image_processor_is_read_for_the_size_only_when_the_config_has_none(
     monkeypatch.setattr(modeling, "processor_image_size", read)
     args = types.SimpleNamespace(model_name_or_path=str(tiny_vit), config_name=None, config_overrides=None,
                                  cache_dir=None, model_revision="main", attn_implementation="auto",
-                                 image_processor_name=None, patch_embedding_matmul=False)  # fmt: skip
+                                 image_processor_name=None, patch_embedding_matmul=False, drop_path_rate=None)  # fmt: skip
     assert modeling.build_model(args, ["a", "b"])[1] == 16
 
 
