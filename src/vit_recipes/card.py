@@ -367,7 +367,7 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "warmup_steps": training.warmup_steps, "weight_decay": training.weight_decay,
         "optimizer": str(getattr(training.optim, "value", training.optim)), "precision": plan.precision,
         "gradient_checkpointing": training.gradient_checkpointing,
-        "torch_compile_regions": bool(training.torch_compile_regions),  # resolved: on by default on a GPU
+        "torch_compile_regions": bool(training.torch_compile_regions),  # resolved: the GPU default decides
         "label_smoothing": training.label_smoothing_factor,
         "layer_decay": training.layer_decay if training.layer_decay < 1 else None,
         "drop_path_rate": args.model.drop_path_rate,
