@@ -85,10 +85,7 @@ def test_each_family_trains_saves_and_reloads_with_pipeline(family, cifar_like, 
     AutoModelForImageClassification.from_config(config).save_pretrained(source)
     processor.save_pretrained(source)
     out = tmp_path / "out"
-    results = run_script("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", out,
-                         "--max_steps", "2", "--per_device_train_batch_size", "8", "--do_train", "true", "--do_eval", "true",
-                         "--do_predict", "true",
-                         "--predict_images", predict_folder, *FAST_ARGS, "--plots", "false")  # fmt: skip
+    results = train_and_predict(run_script, cifar_like, source, out, predict_folder)
     assert "test_accuracy" in results and results["train_loss"] > 0
     with open(out / "predictions.csv") as f:
         ours = {row["file"]: row for row in csv.DictReader(f)}
@@ -213,6 +210,13 @@ def test_the_image_processor_is_read_for_the_size_only_when_the_config_has_none(
     assert modeling.build_model(args, ["a", "b"])[1] == 16
 
 
+def train_and_predict(run_script, dataset, source, out, predict_folder) -> dict:
+    """Two steps of training from `source`, evaluation, test and predictions.csv for `predict_folder`."""
+    return run_script("--dataset_name", dataset, "--model_name_or_path", source, "--output_dir", out,
+                      "--max_steps", "2", "--per_device_train_batch_size", "8", "--do_train", "true", "--do_eval", "true",
+                      "--do_predict", "true", "--predict_images", predict_folder, *FAST_ARGS, "--plots", "false")  # fmt: skip
+
+
 # timm checkpoints load through transformers' TimmWrapper: a ViT saved by timm as the Hub's timm/ checkpoints are
 # (config.json with pretrained_cfg and no model_type, weights without the wrapper's prefix), a ResNet saved by
 # TimmWrapperForImageClassification.save_pretrained. Random init, 7 labels, 32-px input, no download.
@@ -270,10 +274,7 @@ def test_a_timm_checkpoint_trains_saves_and_reloads_with_pipeline(
     torch.manual_seed(0)
     source = timm_checkpoint(kind, tmp_path / kind)
     out = tmp_path / "out"
-    results = run_script("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", out,
-                         "--max_steps", "2", "--per_device_train_batch_size", "8", "--do_train", "true", "--do_eval", "true",
-                         "--do_predict", "true",
-                         "--predict_images", predict_folder, *FAST_ARGS, "--plots", "false")  # fmt: skip
+    results = train_and_predict(run_script, cifar_like, source, out, predict_folder)
     assert "test_accuracy" in results and results["train_loss"] > 0
     saved = json.loads((out / "config.json").read_text())
     assert saved["num_classes"] == 100 and saved["label_names"][:2] == ["class_0", "class_1"]
