@@ -70,11 +70,8 @@ class SpeedMeter(TrainerCallback):
         if not totals.steps or totals.seconds <= 0:
             return {}
         step = totals.seconds / totals.steps
-        out = {
-            "images_per_second": self.images_per_step / step,
-            "step_time_s": step,
-            "data_wait_fraction": totals.data_seconds / totals.seconds,
-        }
+        out = {"images_per_second": self.images_per_step / step, "step_time_s": step}
+        out["data_wait_fraction"] = totals.data_seconds / totals.seconds
         if self.flops_per_image and self.peak_flops:
             out["mfu"] = out["images_per_second"] * self.flops_per_image / self.peak_flops
         return out
