@@ -169,10 +169,9 @@ class LoraArguments:
     freeze_backbone: bool = _arg(False, "Train only the head, on a frozen backbone (the baseline LoRA must beat).")
 
     def __post_init__(self):
-        if not self.lora_r > 0:
-            raise RecipeError(f"lora_r must be > 0, got {self.lora_r}")
-        if not self.lora_alpha > 0:
-            raise RecipeError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        for name in ("lora_r", "lora_alpha"):
+            if not getattr(self, name) > 0:
+                raise RecipeError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.lora_dropout < 1:
             raise RecipeError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.merge_adapter and not self.use_peft:
@@ -252,9 +251,8 @@ def compile_cache_dir() -> Path:
     unless TORCHINDUCTOR_CACHE_DIR says where. Inductor keys each artifact by torch, Triton, GPU and graph."""
     from huggingface_hub.constants import HF_HOME
 
-    return Path(
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(HF_HOME, "vit_recipes", "torch_compile"))
-    )
+    default = os.path.join(HF_HOME, "vit_recipes", "torch_compile")
+    return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default))
 
 
 def compile_regions(t, regions: bool = True) -> None:
@@ -370,13 +368,8 @@ def align_matmul_precision() -> None:
 
 
 ARGUMENT_CLASSES = (  # one --help group each, in this order
-    ModelArguments,
-    DataArguments,
-    AugmentationArguments,
-    LoraArguments,
-    ObservabilityArguments,
-    RecipeTrainingArguments,
-)
+    ModelArguments, DataArguments, AugmentationArguments, LoraArguments, ObservabilityArguments, RecipeTrainingArguments
+)  # fmt: skip
 
 
 def _coerce(key: str, value: Any, action: argparse.Action, source: str) -> Any:
@@ -532,14 +525,10 @@ def validate_arguments(args: RunArguments) -> None:
     """Reject values that would only fail (or silently misbehave) later, in one line each."""
     model, data, aug, train = args.model, args.data, args.augment, args.training
     # `not x > 0` rather than `x <= 0`: NaN fails every check.
-    if not train.learning_rate > 0:
-        raise RecipeError(f"learning_rate must be > 0, got {train.learning_rate}")
-    if not train.per_device_train_batch_size > 0:
-        raise RecipeError(f"per_device_train_batch_size must be > 0, got {train.per_device_train_batch_size}")
-    if not train.per_device_eval_batch_size > 0:
-        raise RecipeError(f"per_device_eval_batch_size must be > 0, got {train.per_device_eval_batch_size}")
-    if not train.gradient_accumulation_steps > 0:
-        raise RecipeError(f"gradient_accumulation_steps must be > 0, got {train.gradient_accumulation_steps}")
+    for name in ("learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
+                 "gradient_accumulation_steps"):  # fmt: skip
+        if not getattr(train, name) > 0:
+            raise RecipeError(f"{name} must be > 0, got {getattr(train, name)}")
     if train.max_steps <= 0 and train.num_train_epochs > 1e5:  # an ETA in years, said nowhere
         raise RecipeError(f"num_train_epochs {train.num_train_epochs:g} is over 100,000 epochs: give a real count")
     if not train.save_steps > 0:  # the Trainer takes 0 (eval_steps 0 falls back to logging_steps; this does not)
@@ -597,14 +586,9 @@ def validate_arguments(args: RunArguments) -> None:
 
 def run_config(args: RunArguments) -> dict[str, Any]:
     """The settings that define *which* run an output directory holds (used to refuse mixing two runs)."""
-    config = {
-        "model_name_or_path": args.model.model_name_or_path,
-        "config_name": args.model.config_name,
-        "config_overrides": args.model.config_overrides,
-        "dataset_name": args.data.dataset_name,
-        "dataset_config_name": args.data.dataset_config_name,
-        "seed": args.training.seed,
-    }
+    config = {key: getattr(args.model, key) for key in ("model_name_or_path", "config_name", "config_overrides")}
+    config.update(dataset_name=args.data.dataset_name, dataset_config_name=args.data.dataset_config_name)
+    config["seed"] = args.training.seed
     if args.data.problem_type:  # a multi-label run on single-label data is another run
         config["problem_type"] = args.data.problem_type
     if args.lora.use_peft:  # LoRA and head-only runs are other runs than full fine-tuning

@@ -321,11 +321,8 @@ def _license_of(model: str | None, cache_dir: str | None, revision: str) -> str 
         return None
     local = Path(model).expanduser() / "README.md"
     with contextlib.suppress(Exception):  # no card, no cache, unreadable metadata: no licence claimed
-        path = (
-            local
-            if local.is_file()
-            else huggingface_hub.try_to_load_from_cache(model, "README.md", cache_dir, revision)
-        )
+        cached = huggingface_hub.try_to_load_from_cache  # called only without a local card
+        path = local if local.is_file() else cached(model, "README.md", cache_dir, revision)
         if isinstance(path, (str, Path)) and Path(path).is_file():
             return ModelCard.load(path).data.license
     return None

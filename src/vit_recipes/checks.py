@@ -15,14 +15,7 @@ from pathlib import Path
 from .classifiers import classifier_class
 from .data import resolve_source
 from .errors import RecipeError
-from .hub import (
-    LOCAL_BUILDERS,
-    check_push_ready,
-    hub_error_message,
-    offline_env,
-    reachable_or_cached,
-    written_as_path,
-)
+from .hub import LOCAL_BUILDERS, check_push_ready, hub_error_message, offline_env, reachable_or_cached, written_as_path
 from .launch import is_true, visible_gpus
 from .levers import add_drop_path, transformer_layers
 from .memory import config_from_args, host_memory_for, model_size_from_args
@@ -69,11 +62,8 @@ def check_plan(plan, args) -> None:
     if plan.precision == "bf16" and plan.device == "cuda" and not gpu_bf16_ok():
         raise RecipeError("bf16 is not supported by this GPU (it needs Ampere or newer): use --fp16 true instead")
     asked = {"torch_compile_regions": getattr(t, "torch_compile_regions", False), "fp8": getattr(t, "fp8", False)}
-    for feature, on in {
-        **asked,
-        "lora": args.lora.use_peft,
-        "ema": t.ema_decay > 0,
-    }.items():  # what the strategy's table row refuses
+    asked.update(lora=args.lora.use_peft, ema=t.ema_decay > 0)
+    for feature, on in asked.items():  # what the strategy's table row refuses
         if on and not strategy.spec.supports(feature):
             refusal, source = strategy.spec.refusals[feature], strategy.deepspeed_source
             raise RecipeError(f"{source}: {refusal}" if source else refusal)

@@ -110,12 +110,8 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
         raise RecipeError(f"dataset '{name}' is neither a local path nor a dataset on the Hub ({HUB_HINT})") from None
     except Exception as err:  # network failures come in many types (httpx, requests, OSError, offline mode)
         builder = LOCAL_BUILDERS.get(name.rstrip("/"))  # a folder this repo builds: say it is missing, and how
-        what = (
-            f"no local folder '{name}' in {os.getcwd()}, and could not load it"
-            if builder
-            else f"could not load '{name}'"
-        )
-        fix = f"build it with `{builder}`" if builder else HUB_HINT
+        missing = f"no local folder '{name}' in {os.getcwd()}, and could not load it"
+        what, fix = (missing, f"build it with `{builder}`") if builder else (f"could not load '{name}'", HUB_HINT)
         raise RecipeError(f"{what} from the Hugging Face Hub ({first_line(err)}); {fix}") from None
 
 
@@ -405,10 +401,8 @@ def storage_format(split: Dataset, image_column: str, image_size: int, storage_s
     if peak is not None:
         white = white_level(peak)
         logger.warning(
-            "High-bit-depth images (largest value %g in %d sampled): every image is scaled by 255/%g to 8 bits",
-            peak,
-            sum(sizes.values()),
-            white,
+            f"High-bit-depth images (largest value {peak:g} in {sum(sizes.values())} sampled): every image is scaled "
+            f"by 255/{white:g} to 8 bits"
         )
     if storage_size:
         return StorageFormat((storage_size, storage_size), white)
@@ -444,15 +438,12 @@ def decode_split(
     height, width = storage.shape
     kept = {k: v for k, v in dataset.features.items() if k != image_column}
     decoded = dataset.map(
-        _decode_batch,
-        batched=True,
-        batch_size=256,
+        _decode_batch, batched=True, batch_size=256, remove_columns=[image_column],
         fn_kwargs={"image_column": image_column, "height": height, "width": width, "white": storage.white},
-        remove_columns=[image_column],
         features=datasets.Features({**kept, PIXELS: Value("binary"), "problem": Value("string")}),
         num_proc=num_proc if num_proc and num_proc > 1 and len(dataset) > 1000 else None,
         desc=f"Decoding {name} images to {height}x{width} uint8",
-    )
+    )  # fmt: skip
     problems = decoded.data.column("problem").to_pylist()
     resized = problems.count("resized")
     if resized and storage.native:

@@ -37,11 +37,8 @@ def convert_to_fp8(model: torch.nn.Module, training_args) -> int:
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     if not converted:
         raise RecipeError("--fp8 found no linear layer it could convert (sizes must be multiples of 16): drop --fp8")
-    logger.info(
-        "--fp8: %d linear layers run their matmuls in FP8 (torchao float8, tensorwise scales)%s",
-        converted,
-        "; emulated on the CPU (no speed-up)" if emulate else "",
-    )
+    cpu = "; emulated on the CPU (no speed-up)" if emulate else ""
+    logger.info(f"--fp8: {converted} linear layers run their matmuls in FP8 (torchao float8, tensorwise scales){cpu}")
     return converted
 
 

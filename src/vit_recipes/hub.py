@@ -61,20 +61,16 @@ def check_push_ready(training_args) -> None:
         )
 
 
-def _network_error_types() -> tuple[type[BaseException], ...]:
+def is_network_error(err: BaseException) -> bool:
+    """No answer from the Hub: huggingface_hub's offline errors, or its transport's HTTPError (httpx in 1.x, httpx2
+    in 2.x; huggingface_hub.errors names it) that carries no response. HfHubHTTPError is an answer (a status)."""
     types: list[type[BaseException]] = [OfflineModeIsEnabled, LocalEntryNotFoundError, ConnectionError, TimeoutError]
     with contextlib.suppress(ImportError):  # datasets and older paths still talk through requests
         import requests
 
         types += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
-    return tuple(types)
-
-
-def is_network_error(err: BaseException) -> bool:
-    """No answer from the Hub: huggingface_hub's offline errors, or its transport's HTTPError (httpx in 1.x, httpx2
-    in 2.x; huggingface_hub.errors names it) that carries no response. HfHubHTTPError is an answer (a status)."""
     transport = getattr(huggingface_hub.errors, "HTTPError", None)
-    if isinstance(err, _network_error_types()):
+    if isinstance(err, tuple(types)):
         return True
     return bool(transport and isinstance(err, transport) and not isinstance(err, HfHubHTTPError))
 

@@ -62,6 +62,4 @@ def decode_to_chw(value, height: int, width: int, white: float | None = None) ->
 def probe(value) -> tuple[tuple[int, int], float | None]:
     """(width, height) from the header, and the largest pixel value of a high-bit-depth image (None for 8 bits)."""
     with Image.open(_file(value)) as image:
-        if image.mode not in HIGH_BIT_MODES:
-            return image.size, None
-        return image.size, float(np.asarray(image).max(initial=0))
+        return image.size, float(np.asarray(image).max(initial=0)) if image.mode in HIGH_BIT_MODES else None

@@ -7,6 +7,7 @@ module sets them."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -91,13 +92,11 @@ def worker_ignores_stop_signals(then, worker_id: int) -> None:
         then(worker_id)
 
 
+@functools.cache
 def kill_workers_at_exit() -> None:
     """Registered once in the main process: at exit, SIGKILL the daemonic children still alive (DataLoader workers of
     an iterator never closed, e.g. on an error or a signal). multiprocessing's own exit hook stops them with SIGTERM,
     which they ignore (worker_ignores_stop_signals), and then waits for them."""
-    global _exit_hook
-    if _exit_hook:
-        return
     import atexit
     import multiprocessing
 
@@ -110,7 +109,3 @@ def kill_workers_at_exit() -> None:
             child.join(timeout=5)
 
     atexit.register(kill)  # runs before multiprocessing's hook, registered at its import
-    _exit_hook = True
-
-
-_exit_hook = False

@@ -141,14 +141,8 @@ def apply_lora(model: nn.Module, lora_args: LoraArguments, training_args=None):
 
     targets = resolve_target_modules(model, lora_args.lora_target_modules)
     heads = head_module_names(model)
-    config = LoraConfig(
-        r=lora_args.lora_r,
-        lora_alpha=lora_args.lora_alpha,
-        lora_dropout=lora_args.lora_dropout,
-        target_modules=targets,
-        modules_to_save=heads,
-        bias="none",
-    )
+    rank = dict(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout)
+    config = LoraConfig(**rank, target_modules=targets, modules_to_save=heads, bias="none")
     # peft keeps adapters in fp32 over a bf16/fp16 base; ZeRO-3 needs one dtype for all parameters (its optimizer
     # keeps fp32 master weights), so under it the adapters take the base's.
     zero3 = any(hasattr(p, "ds_id") for p in model.parameters())

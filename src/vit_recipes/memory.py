@@ -61,10 +61,9 @@ def config_from_args(model_args):
     if model_args.model_name_or_path:
         if model_args.config_overrides:  # a recipe's from-scratch shape next to a checkpoint: the checkpoint's wins
             logger.warning(
-                "--config_overrides (%s) is ignored: %s is a trained checkpoint and keeps its own config (set "
-                "--model_name_or_path null to train the overridden shape from scratch)",
-                model_args.config_overrides,
-                model_args.model_name_or_path,
+                f"--config_overrides ({model_args.config_overrides}) is ignored: {model_args.model_name_or_path} is a "
+                "trained checkpoint and keeps its own config (set --model_name_or_path null to train the overridden "
+                "shape from scratch)"
             )
         return load_config(model_args.model_name_or_path, model_args.cache_dir, model_args.model_revision), True
     config = load_config(model_args.config_name)

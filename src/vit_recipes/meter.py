@@ -35,10 +35,8 @@ class SpeedMeter(TrainerCallback):
         self.images_per_step = images_per_step  # the plan's global batch
         self.flops_per_image = flops_per_image
         self.peak_flops = peak_flops  # of all GPUs together
-        self.window = _Totals()  # since the previous log
-        self.run = _Totals()  # after warm-up
-        self._pending_data = 0.0
-        self._last: float | None = None
+        self.window, self.run = _Totals(), _Totals()  # since the previous log; after warm-up
+        self._pending_data, self._last = 0.0, None  # seconds waited for data; the previous step's end
 
     def add_data_wait(self, seconds: float) -> None:
         self._pending_data += seconds
@@ -70,11 +68,8 @@ class SpeedMeter(TrainerCallback):
         if not totals.steps or totals.seconds <= 0:
             return {}
         step = totals.seconds / totals.steps
-        out = {
-            "images_per_second": self.images_per_step / step,
-            "step_time_s": step,
-            "data_wait_fraction": totals.data_seconds / totals.seconds,
-        }
+        out = {"images_per_second": self.images_per_step / step, "step_time_s": step}
+        out["data_wait_fraction"] = totals.data_seconds / totals.seconds
         if self.flops_per_image and self.peak_flops:
             out["mfu"] = out["images_per_second"] * self.flops_per_image / self.peak_flops
         return out

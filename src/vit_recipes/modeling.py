@@ -15,10 +15,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from transformers import AutoImageProcessor, AutoModelForImageClassification, PretrainedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
-    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
-)
+from transformers.models.auto import modeling_auto
 from transformers.utils import logging as hf_logging
 
 from .arguments import LoraArguments, ModelArguments
@@ -51,7 +48,7 @@ DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)  # ViT's own normalisation
 def check_config(config: PretrainedConfig, source: str, processor_size: int | None = None) -> int:
     """Reject configs that cannot classify images; return the input resolution (the config's image_size, else
     `processor_size`, what the checkpoint's image processor feeds it: ResNet's config has none)."""
-    if config.model_type not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+    if config.model_type not in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         raise RecipeError(
             f"'{source}' is a {config.model_type} model, not an image-classification one; use a "
             "checkpoint such as google/vit-base-patch16-224-in21k"
@@ -222,21 +219,13 @@ def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, tra
     if setup.method == "lora":
         config = model.peft_config["default"]
         targets = config.target_modules
-        setup.lora = {
-            "lora_r": config.r,
-            "lora_alpha": config.lora_alpha,
-            "lora_dropout": config.lora_dropout,
-            "lora_target_modules": targets if isinstance(targets, str) else ", ".join(sorted(targets)),
-        }
+        setup.lora = {"lora_r": config.r, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout}
+        setup.lora["lora_target_modules"] = targets if isinstance(targets, str) else ", ".join(sorted(targets))
     if not getattr(training_args, "do_train", True):  # evaluating or predicting: nothing is trained
         if getattr(training_args, "should_log", True):
-            print(f"Model: {counts['train_total_params']:,} parameters (not trained in this run)", flush=True)
+            print(f"Model: {total:,} parameters (not trained in this run)", flush=True)
     elif getattr(training_args, "should_log", True):  # the main process; printed, as the script's summary is
-        print(
-            f"{what}: trainable params {counts['train_trainable_params']:,} of {counts['train_total_params']:,} "
-            f"({counts['train_trainable_percent']:.2f}%){detail}",
-            flush=True,
-        )
+        print(f"{what}: trainable params {trainable:,} of {total:,} ({percent:.2f}%){detail}", flush=True)
     return model, image_size, setup
 
 
@@ -301,7 +290,7 @@ def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", c
     if not files[0] and (index := resolve(SAFE_WEIGHTS_INDEX_NAME)):  # a sharded checkpoint
         shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
         files = [resolve(shard) for shard in shards]
-    if not files or not all(files) or type(config) not in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
+    if not files or not all(files) or type(config) not in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
         return None  # .bin checkpoints (or no classifier for this config): leave them to transformers
     model_class = classifier_class(config)
     with init_empty_weights():
@@ -344,15 +333,8 @@ def mean_std(model_args) -> tuple[tuple[float, ...], tuple[float, ...]]:
 def evaluation_processor(image_size: int, eval_crop_pct: float, mean, std) -> BitImageProcessor:
     """The script's eval preprocessing (bicubic resize to image_size / eval_crop_pct, centre crop) for pipeline()."""
     return BitImageProcessor(
-        do_resize=True,
-        size={"shortest_edge": round(image_size / eval_crop_pct)},
-        resample=3,  # PIL.Image.BICUBIC
-        do_center_crop=True,
-        crop_size={"height": image_size, "width": image_size},
-        do_rescale=True,
-        rescale_factor=1 / 255,
-        do_normalize=True,
-        image_mean=list(mean),
-        image_std=list(std),
+        do_resize=True, size={"shortest_edge": round(image_size / eval_crop_pct)}, resample=3,  # PIL.Image.BICUBIC
+        do_center_crop=True, crop_size={"height": image_size, "width": image_size},
+        do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=list(mean), image_std=list(std),
         do_convert_rgb=True,
-    )
+    )  # fmt: skip

@@ -52,7 +52,5 @@ def add_patch_dropout(model: nn.Module, rate: float) -> int:
         return keep_patches(output, prefix, keep) if module.training else output
 
     embeddings.register_forward_hook(hook)
-    logger.warning(
-        "--patch_dropout %g: training images keep %d of %d patches; evaluation sees all", rate, keep, patches
-    )
+    logger.warning(f"--patch_dropout {rate:g}: training images keep {keep} of {patches} patches; evaluation sees all")
     return keep

@@ -28,15 +28,9 @@ class PatchMatmulConv2d(nn.Conv2d):
         return out.transpose(1, 2).reshape(batch, self.out_channels, rows, cols)
 
 
-def is_patch_conv(module: nn.Module) -> bool:
-    return (
-        type(module) is nn.Conv2d
-        and module.kernel_size == module.stride
-        and module.padding == (0, 0)
-        and module.dilation == (1, 1)
-        and module.groups == 1
-        and module.padding_mode == "zeros"
-    )
+def is_patch_conv(m: nn.Module) -> bool:
+    plain = type(m) is nn.Conv2d and (m.padding, m.dilation, m.groups, m.padding_mode) == ((0, 0), (1, 1), 1, "zeros")
+    return plain and m.kernel_size == m.stride
 
 
 def use_patch_matmul(model: nn.Module, enabled: bool = True) -> int:

@@ -105,11 +105,8 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
     complete = next((c for c in found if (c / CHECKPOINT_RECORD).is_file()), None)
     if skipped := [c.name for c in found[: found.index(complete) if complete else len(found)]]:
         logger.warning(
-            "Skipping %s in %s: no %s, so the save did not finish (or predates this record; pass "
-            "--resume_from_checkpoint to use one anyway)",
-            ", ".join(skipped),
-            out,
-            CHECKPOINT_RECORD,
+            f"Skipping {', '.join(skipped)} in {out}: no {CHECKPOINT_RECORD}, so the save did not finish (or predates "
+            "this record; pass --resume_from_checkpoint to use one anyway)"
         )
     candidate = str(complete) if complete else None
     if changed := _differences(json.loads(saved_file.read_text()), run):

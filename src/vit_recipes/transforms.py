@@ -42,8 +42,7 @@ def sample_crop_flip_theta(
     u = torch.rand(batch, 2 * CROP_ATTEMPTS + 3, device=device)  # one RNG call for everything
     u_area, u_aspect, (u_x, u_y, u_flip) = u[:, :CROP_ATTEMPTS], u[:, CROP_ATTEMPTS:-3], u[:, -3:].unbind(1)
     if scale[0] >= 1:
-        w = torch.full((batch,), float(width), device=device)
-        h = torch.full((batch,), float(height), device=device)
+        w, h = (torch.full((batch,), float(side), device=device) for side in (width, height))
         x0 = y0 = torch.zeros(batch, device=device)
     else:
         area = height * width * (scale[0] + (scale[1] - scale[0]) * u_area)
@@ -286,9 +285,7 @@ class TrainTransform(_Normalized):
 class EvalTransform(_Normalized):
     """uint8 (B, 3, H, W) -> float32 (B, 3, S, S) like the PIL image processor: resize shorter side, centre-crop."""
 
-    def __init__(
-        self, image_size: int, mean: float | Sequence[float], std: float | Sequence[float], eval_crop_pct: float = 1.0
-    ):
+    def __init__(self, image_size: int, mean, std, eval_crop_pct: float = 1.0):
         super().__init__(image_size, mean, std)
         self.resize_to = round(image_size / eval_crop_pct)
 
@@ -328,10 +325,8 @@ class MixupCutmix:
         self.num_classes, self.label_smoothing = int(num_classes), float(label_smoothing)
 
     def __call__(self, pixels: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
-            use_cutmix = bool(torch.rand(()) < 0.5)
-        else:
-            use_cutmix = self.cutmix_alpha > 0
+        both = self.mixup_alpha > 0 and self.cutmix_alpha > 0
+        use_cutmix = bool(torch.rand(()) < 0.5) if both else self.cutmix_alpha > 0
         alpha = torch.tensor(self.cutmix_alpha if use_cutmix else self.mixup_alpha)
         lam = float(torch.distributions.Beta(alpha, alpha).sample())
         if use_cutmix:

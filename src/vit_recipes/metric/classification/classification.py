@@ -43,11 +43,8 @@ def _macro_scores(references: np.ndarray, predicted: np.ndarray, num_classes: in
     precision = _safe_divide(true_positives, predicted_count)[seen]
     recall = _safe_divide(true_positives, support)[seen]
     f1 = _safe_divide(2 * true_positives, support + predicted_count)[seen]
-    return {
-        "f1_macro": float(f1.mean()),
-        "precision_macro": float(precision.mean()),
-        "recall_macro": float(recall.mean()),
-    }
+    scores = {"f1": f1, "precision": precision, "recall": recall}
+    return {f"{name}_macro": float(values.mean()) for name, values in scores.items()}
 
 
 def average_precision(scores: np.ndarray, positive: np.ndarray) -> np.ndarray:
