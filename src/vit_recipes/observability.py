@@ -181,6 +181,5 @@ def attach(trainer, observe: ObservabilityArguments, meter: SpeedMeter) -> None:
         trainer.add_callback(ProfilerCallback(start, end, folder, options, pause=[meter]))
     if trainer.is_deepspeed_enabled:
         plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-        flops_file = flops_profiler_output(getattr(plugin, "deepspeed_config", None))
-        if flops_file:
+        if flops_file := flops_profiler_output(getattr(plugin, "deepspeed_config", None)):
             trainer.add_callback(_KeepFlopsProfile(flops_file))
