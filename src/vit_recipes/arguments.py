@@ -1,8 +1,7 @@
 """Command-line and recipe arguments: the dataclasses the script parses (one `--help` group each), and their checks.
 
 A YAML recipe (`--config`) sets field values; command-line flags override it. This module imports nothing of ours
-but errors: what is derived from the arguments is worked out once, in plan.py.
-"""
+but errors: what is derived from the arguments is worked out once, in plan.py."""
 
 from __future__ import annotations
 
