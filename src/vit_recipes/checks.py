@@ -229,8 +229,7 @@ def check_host_memory(strategy, model_args) -> None:
         return
     params, largest = size
     needed = host_memory_for(strategy, params, largest)
-    available = psutil.virtual_memory().available
-    if needed > available:
+    if needed > (available := psutil.virtual_memory().available):
         raise RecipeError(
             f"{strategy.spec.label} needs about {needed / 2**30:.1f} GiB of host memory on this node for "
             f"{params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a "
