@@ -1,8 +1,7 @@
 """Command-line and recipe arguments: the dataclasses the script parses (one `--help` group each), and their checks.
 
 A YAML recipe (`--config`) sets field values; command-line flags override it. This module imports nothing of ours
-but errors: what is derived from the arguments is worked out once, in plan.py.
-"""
+but errors: what is derived from the arguments is worked out once, in plan.py."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,10 @@ from .errors import RecipeError, first_line
 logger = logging.getLogger(__name__)
 
 
-def _arg(default: Any, help_text: str) -> Any:
-    """A dataclass field with its `--help` text."""
-    return field(default=default, metadata={"help": help_text})
+def _arg(default: Any = MISSING, help_text: str = "", default_factory: Any = MISSING, choices=None) -> Any:
+    """A dataclass field with its `--help` text (and argparse `choices`)."""
+    metadata = {"help": help_text, **({"choices": choices} if choices else {})}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclass
@@ -112,9 +112,8 @@ class DataArguments:
         "Side of the square uint8 images the DataLoader delivers. Default: the native size when most images share one "
         "no larger than the model's, else image_size/0.875 (256 for 224).",
     )
-    preprocessing_num_workers: int | None = field(
-        default_factory=os.cpu_count,
-        metadata={"help": "Processes decoding images once into the cache (default: all cores)."},
+    preprocessing_num_workers: int | None = _arg(
+        help_text="Processes decoding images once into the cache (default: all cores).", default_factory=os.cpu_count
     )
     predict_images: str | None = _arg(None, "--do_predict: a folder or one image to classify into predictions.csv.")
 
@@ -283,18 +282,18 @@ class RecipeTrainingArguments(TrainingArguments):
     save_strategy: str = _arg("epoch", "When to checkpoint: 'no', 'steps' or 'epoch'.")
     save_total_limit: int | None = _arg(2, "Checkpoints kept on disk.")
     logging_steps: float = _arg(10, "Log every N steps.")
-    dataloader_num_workers: int = field(
+    dataloader_num_workers: int = _arg(
+        help_text="DataLoader workers (default: half the cores, at most 8: they only slice decoded arrays).",
         default_factory=lambda: min(8, max(1, (os.cpu_count() or 2) // 2)),
-        metadata={"help": "DataLoader workers (default: half the cores, at most 8: they only slice decoded arrays)."},
     )
     dataloader_persistent_workers: bool = _arg(True, "Keep DataLoader workers alive between epochs.")
     dataloader_prefetch_factor: int | None = _arg(4, "Batches prefetched per worker.")
     ddp_find_unused_parameters: bool | None = _arg(
         False, "DDP's per-step search for unused parameters: off, as ViT (full, LoRA or head only) uses every one."
     )
-    gradient_checkpointing_kwargs: dict | str | None = field(
+    gradient_checkpointing_kwargs: dict | str | None = _arg(
+        help_text="Non-reentrant by default: works with frozen inputs (LoRA) and every strategy.",
         default_factory=lambda: {"use_reentrant": False},
-        metadata={"help": "Non-reentrant by default: works with frozen inputs (LoRA) and every strategy."},
     )
     torch_compile_regions: bool | None = _arg(
         None,
@@ -321,14 +320,12 @@ class RecipeTrainingArguments(TrainingArguments):
         "Train the transformer's matmuls in FP8 (a GPU with FP8 tensor cores: H100, H200, L40S; one GPU or DDP). "
         "Weights, optimizer and saved model stay as they are; the head stays in bf16. --fp8_backend picks the kernels.",
     )
-    fp8_backend: str = field(
-        default="torchao",
-        metadata={
-            "help": "torchao: float8 linear layers, LoRA's base layers too, emulated on the CPU (pip install torchao). "
-            "transformer_engine: NVIDIA Transformer Engine, LayerNorm fused into each FP8 matmul, eager, ViT models, "
-            "CUDA only (pip install transformer-engine[pytorch]). docs/benchmarks.md says where each is faster.",
-            "choices": ["torchao", "transformer_engine"],
-        },
+    fp8_backend: str = _arg(
+        "torchao",
+        "torchao: float8 linear layers, LoRA's base layers too, emulated on the CPU (pip install torchao). "
+        "transformer_engine: NVIDIA Transformer Engine, LayerNorm fused into each FP8 matmul, eager, ViT models, "
+        "CUDA only (pip install transformer-engine[pytorch]). docs/benchmarks.md says where each is faster.",
+        choices=["torchao", "transformer_engine"],
     )
     report_to: None | str | list[str] = _arg(
         "tensorboard",
@@ -348,10 +345,8 @@ class RecipeTrainingArguments(TrainingArguments):
             self.dataloader_persistent_workers = False
             self.dataloader_prefetch_factor = None
         self.report_to = resolve_report_to(self.report_to)
-        if self.torch_compile_regions:
-            compile_regions(self)
-        elif self.torch_compile:
-            compile_regions(self, regions=False)
+        if self.torch_compile or self.torch_compile_regions:
+            compile_regions(self, regions=bool(self.torch_compile_regions))
         if self.do_predict and not (self.do_train or self.do_eval):
             # TrainingArguments turns do_eval on for any eval_strategy (default here: epoch), which is about
             # evaluating during training: a run that only predicts evaluates nothing it was not asked to.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -11,6 +12,8 @@ import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
+
+import torch
 
 from .classifiers import classifier_class
 from .data import resolve_source
@@ -102,8 +105,7 @@ def check_output_dir(training_args, model_args) -> None:
     # A checkpoint holds the weights and Adam's two moments (fp32 each); the final model the weights alone.
     checkpoints = str(getattr(training_args.save_strategy, "value", training_args.save_strategy)) != "no"
     needed = weights * (3 if checkpoints else 1)
-    free = shutil.disk_usage(out).free
-    if free < needed:
+    if (free := shutil.disk_usage(out).free) < needed:
         what = "a checkpoint" if checkpoints else "the final model"
         raise RecipeError(
             f"output_dir {out} has {free / 2**30:.1f} GiB free and {what} of this model needs about "
@@ -112,8 +114,6 @@ def check_output_dir(training_args, model_args) -> None:
 
 
 def gpu_bf16_ok() -> bool:
-    import torch
-
     return bool(torch.cuda.is_bf16_supported())
 
 
@@ -176,8 +176,7 @@ def _check_deepspeed(plan, t) -> None:
             f"Trainer would stop at its first step (bf16/fp16 mismatch); pass --{plan.precision} true to the script "
             "instead"
         )
-    conflicts = deepspeed_conflicts(strategy.deepspeed_config, t, plan.global_batch, strategy.world_size)
-    if conflicts:
+    if conflicts := deepspeed_conflicts(strategy.deepspeed_config, t, plan.global_batch, strategy.world_size):
         raise RecipeError(
             f'{name} conflicts with the arguments: {"; ".join(conflicts)}. Set these to "auto" in the JSON '
             "so the arguments decide, or change the arguments to match"
@@ -230,8 +229,7 @@ def check_host_memory(strategy, model_args) -> None:
         return
     params, largest = size
     needed = host_memory_for(strategy, params, largest)
-    available = psutil.virtual_memory().available
-    if needed > available:
+    if needed > (available := psutil.virtual_memory().available):
         raise RecipeError(
             f"{strategy.spec.label} needs about {needed / 2**30:.1f} GiB of host memory on this node for "
             f"{params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a "
@@ -241,15 +239,11 @@ def check_host_memory(strategy, model_args) -> None:
 
 
 def installed(package: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(package) is not None
 
 
 def check_fp8(on_cpu: bool, t, lora: bool = False) -> None:
     """--fp8 needs its backend installed and FP8 tensor cores (the strategy table refuses sharded strategies)."""
-    import torch
-
     if t.fp8_backend == "transformer_engine":
         if on_cpu:
             raise RecipeError(
@@ -363,8 +357,7 @@ def check_fsdp_wrap(strategy, model) -> None:
     if embed is None:
         return
     holders = {type(m).__name__ for m in model.modules() if m is not model and any(c is embed for c in m.modules())}
-    clash = sorted(holders.intersection(names))
-    if clash:
+    if clash := sorted(holders.intersection(names)):
         keep = [n for n in names if n not in holders]
         raise RecipeError(
             f"FSDP2 cannot wrap {', '.join(clash)} from {where}: it holds the input embedding that accelerate "
@@ -400,19 +393,19 @@ def check_hub(args) -> None:
 
     check_push_ready(args.training)
     model, dataset = args.model, resolve_source(args.data.dataset_name)[0] if args.data.dataset_name else None
-    if _hub_id(model.model_name_or_path):
-        what, name = f"download the model '{model.model_name_or_path}'", model.model_name_or_path
+    if _hub_id(name := model.model_name_or_path):
+        what = f"download the model '{name}'"
         reachable_or_cached(name, model.cache_dir, model.model_revision, what, missing=_as_path(name))
         try:  # the cached copy when there is one; offline without one, or unreachable, raises
             huggingface_hub.hf_hub_download(
-                model.model_name_or_path, "config.json", revision=model.model_revision, cache_dir=model.cache_dir
+                name, "config.json", revision=model.model_revision, cache_dir=model.cache_dir
             )
         except RemoteEntryNotFoundError:  # a repo without config.json (a LoRA adapter): modeling.py handles it
             pass
         except Exception as err:
             if offline_env():
                 raise RecipeError(
-                    f"model '{model.model_name_or_path}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: "
+                    f"model '{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: "
                     "pass a local checkpoint folder (--model_name_or_path ./checkpoint) or unset HF_HUB_OFFLINE"
                 ) from None
             raise RecipeError(hub_error_message(err, what, missing=_as_path(name))) from None

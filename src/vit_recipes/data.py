@@ -419,14 +419,13 @@ def _decode_batch(batch, image_column: str, height: int, width: int, white: floa
     for value in batch[image_column]:
         try:
             array, resized = decode_to_chw(value, height, width, white)
-            pixels.append(array.tobytes())
-            problems.append("resized" if resized else "")
+            pixel, problem = array.tobytes(), "resized" if resized else ""
         except FileNotFoundError:
-            pixels.append(b"")
-            problems.append("not found")
+            pixel, problem = b"", "not found"
         except Exception:  # corrupt/truncated/unsupported: skip and name it (see module docstring)
-            pixels.append(b"")
-            problems.append("unreadable")
+            pixel, problem = b"", "unreadable"
+        pixels.append(pixel)
+        problems.append(problem)
     return {PIXELS: pixels, "problem": problems}
 
 

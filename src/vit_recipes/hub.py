@@ -8,13 +8,7 @@ import re
 
 import huggingface_hub
 import huggingface_hub.constants  # a submodule the package does not load lazily
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
-    RepositoryNotFoundError,
-)
+from huggingface_hub import errors as hf_errors
 
 from .errors import RecipeError, first_line
 
@@ -64,15 +58,16 @@ def check_push_ready(training_args) -> None:
 def is_network_error(err: BaseException) -> bool:
     """No answer from the Hub: huggingface_hub's offline errors, or its transport's HTTPError (httpx in 1.x, httpx2
     in 2.x; huggingface_hub.errors names it) that carries no response. HfHubHTTPError is an answer (a status)."""
-    types: list[type[BaseException]] = [OfflineModeIsEnabled, LocalEntryNotFoundError, ConnectionError, TimeoutError]
+    types: list[type[BaseException]] = [hf_errors.OfflineModeIsEnabled, hf_errors.LocalEntryNotFoundError]
+    types += [ConnectionError, TimeoutError]
     with contextlib.suppress(ImportError):  # datasets and older paths still talk through requests
         import requests
 
         types += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
-    transport = getattr(huggingface_hub.errors, "HTTPError", None)
+    transport = getattr(hf_errors, "HTTPError", None)
     if isinstance(err, tuple(types)):
         return True
-    return bool(transport and isinstance(err, transport) and not isinstance(err, HfHubHTTPError))
+    return bool(transport and isinstance(err, transport) and not isinstance(err, hf_errors.HfHubHTTPError))
 
 
 def reachable_or_cached(name: str, cache_dir: str | None, revision: str | None, what: str, missing=None) -> None:
@@ -113,9 +108,9 @@ def hub_error_message(err: Exception, what: str, local_path: str | None = None, 
         message = f"could not reach the Hugging Face Hub to {what}: {cause}; {files}{OFFLINE_HINT}"
     else:
         status = next((s for e in chain if (s := getattr(getattr(e, "response", None), "status_code", None))), None)
-        if isinstance(err, RepositoryNotFoundError) or status == 404:
+        if isinstance(err, hf_errors.RepositoryNotFoundError) or status == 404:
             fix = "check the repo id and that your token can see it (`hf auth whoami`)"
-        elif isinstance(err, GatedRepoError) or status in (401, 403):
+        elif isinstance(err, hf_errors.GatedRepoError) or status in (401, 403):
             fix = "check your token's access (`hf auth login`; pushing needs a write token)"
         else:
             fix = "fix the cause above and run again"

@@ -1,7 +1,6 @@
 """Decoding one image into the uint8 CHW array the DataLoader delivers. Every PIL mode is converted as transformers'
 `convert_to_rgb` does (alpha composited on white), so the saved image processor sees the pixels the script trained
-on. High-bit-depth greyscale is scaled to 8 bits by one white level for the whole dataset (data.py), never per image.
-"""
+on. High-bit-depth greyscale is scaled to 8 bits by one white level for the whole dataset (data.py), never per image."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 during training saves a checkpoint at the next step boundary, then the run stops with one line. A second signal more
 than REPEAT_AFTER seconds later stops it at once; sooner, it is the same stop delivered twice (a terminal's Ctrl-C
 reaches the workers and their launcher, which then forwards a SIGTERM). Neither transformers nor accelerate handles
-these signals: the Trainer offers the control flags a callback sets (should_save, should_training_stop), and this
-module sets them."""
+these signals: this module sets the control flags the Trainer offers callbacks (should_save, should_training_stop)."""
 
 from __future__ import annotations
 

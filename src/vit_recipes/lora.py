@@ -48,6 +48,14 @@ def in_head(name: str, heads: list[str]) -> bool:
     return any(name == h or name.startswith(h + ".") for h in heads)
 
 
+def freeze_backbone(model: nn.Module) -> list[str]:
+    """--freeze_backbone: only the head's parameters train; returns the head's module names."""
+    heads = head_module_names(model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(in_head(name, heads))
+    return heads
+
+
 def _leaf_names(names) -> list[str]:
     """The last part of each module name, as peft matches targets; an index in a Sequential (ConvNeXt's
     `downsampling_layer.1`) keeps its parent's name, since `1` alone would match every second child anywhere."""

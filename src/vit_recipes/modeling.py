@@ -22,16 +22,7 @@ from .arguments import LoraArguments, ModelArguments
 from .classifiers import classifier_class
 from .errors import RecipeError, first_line
 from .levers import add_drop_path
-from .lora import (
-    adapter_base,
-    apply_lora,
-    attach_adapter,
-    base_signature,
-    head_module_names,
-    in_head,
-    is_adapter_dir,
-    unwrap,
-)
+from .lora import adapter_base, apply_lora, attach_adapter, base_signature, freeze_backbone, is_adapter_dir, unwrap
 from .memory import config_from_args
 from .patch_embedding import use_patch_matmul
 
@@ -158,14 +149,18 @@ def attention_for(config: PretrainedConfig, asked: str) -> str | None:
     return asked
 
 
+def _image_processor(model_args):
+    """The checkpoint's image processor (--image_processor_name, else the model's), or None when there is none."""
+    source = model_args.image_processor_name or model_args.model_name_or_path
+    try:
+        return AutoImageProcessor.from_pretrained(source, cache_dir=model_args.cache_dir) if source else None
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def processor_image_size(model_args) -> int | None:
     """The square input the checkpoint's image processor produces (its crop, else its resize), or None."""
-    source = model_args.image_processor_name or model_args.model_name_or_path
-    if not source:
-        return None
-    try:
-        processor = AutoImageProcessor.from_pretrained(source, cache_dir=model_args.cache_dir)
-    except (OSError, ValueError, AttributeError, TypeError):
+    if (processor := _image_processor(model_args)) is None:
         return None
     if getattr(processor, "data_config", None):  # timm's TimmWrapperImageProcessor: (3, height, width)
         return processor.data_config["input_size"][-1]
@@ -240,10 +235,7 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
         setup.signature, setup.base_args = base_signature(model), model_args
         model, detail = apply_lora(model, lora_args, training_args)
     elif method == "head":
-        heads = head_module_names(model)
-        for name, p in model.named_parameters():
-            p.requires_grad_(in_head(name, heads))
-        detail = f": the head ({', '.join(heads)}) on a frozen backbone"
+        detail = f": the head ({', '.join(freeze_backbone(model))}) on a frozen backbone"
     else:
         detail = ""
     what = {"full": "Full fine-tuning", "lora": "LoRA", "head": "Head only"}[method]
@@ -317,16 +309,15 @@ def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", c
 
 def mean_std(model_args) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Normalisation from the checkpoint's image processor (ViT's 0.5/0.5 when there is none)."""
-    source = model_args.image_processor_name or model_args.model_name_or_path
-    if source:
-        try:
-            processor = AutoImageProcessor.from_pretrained(source, cache_dir=model_args.cache_dir)
-            norm = getattr(processor, "data_config", None)  # timm's wrapper keeps its mean/std there
-            mean, std = (norm["mean"], norm["std"]) if norm else (processor.image_mean, processor.image_std)
-            return tuple(mean), tuple(std)
-        except (OSError, ValueError, AttributeError, TypeError):
-            if os.path.isdir(source) or model_args.image_processor_name:
-                logger.info("No image processor in %s: using mean/std %s", source, DEFAULT_MEAN)
+    try:
+        processor = _image_processor(model_args)
+        norm = getattr(processor, "data_config", None)  # timm's wrapper keeps its mean/std there
+        mean, std = (norm["mean"], norm["std"]) if norm else (processor.image_mean, processor.image_std)
+        return tuple(mean), tuple(std)
+    except (ValueError, AttributeError, TypeError):  # no image processor (None), or one without mean/std
+        source = model_args.image_processor_name or model_args.model_name_or_path
+        if source and (os.path.isdir(source) or model_args.image_processor_name):
+            logger.info("No image processor in %s: using mean/std %s", source, DEFAULT_MEAN)
     return DEFAULT_MEAN, DEFAULT_STD
 
 

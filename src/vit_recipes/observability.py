@@ -35,11 +35,9 @@ class ProfilerCallback(TrainerCallback):
 
     def _start(self, args) -> None:
         self.rank = args.process_index
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        cuda = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
         self.profiler = torch.profiler.profile(
-            activities=activities,
+            activities=[torch.profiler.ProfilerActivity.CPU, *cuda],
             schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.last - self.first + 1),
             on_trace_ready=self._export,
             acc_events=True,  # one cycle only; silences the "clears events" warning
@@ -181,6 +179,5 @@ def attach(trainer, observe: ObservabilityArguments, meter: SpeedMeter) -> None:
         trainer.add_callback(ProfilerCallback(start, end, folder, options, pause=[meter]))
     if trainer.is_deepspeed_enabled:
         plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-        flops_file = flops_profiler_output(getattr(plugin, "deepspeed_config", None))
-        if flops_file:
+        if flops_file := flops_profiler_output(getattr(plugin, "deepspeed_config", None)):
             trainer.add_callback(_KeepFlopsProfile(flops_file))

@@ -1,8 +1,7 @@
 """The output directory holds one run: resume it, or refuse to mix another run into it. Never overwrite silently.
 
 `run_identity.json`, written into `checkpoint-N` last, once every rank's files are on disk, records the run that
-wrote it. Auto-resume skips a checkpoint without it (incomplete), saying so, and refuses one of another run.
-"""
+wrote it. Auto-resume skips a checkpoint without it (incomplete), saying so, and refuses one of another run."""
 
 from __future__ import annotations
 
@@ -25,8 +24,8 @@ CHECKPOINT_RECORD = "run_identity.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 LOSS_RECORD = "train_loss.json"
-WRITE_PROBE = ".write-probe-"
-LOCK_FILE = ".run.lock"  # held by the run writing into the folder (lock_output_dir)  # rank 0's writability check (checks.py): another rank must not read it as a run
+WRITE_PROBE = ".write-probe-"  # rank 0's writability check (checks.py): another rank must not read it as a run
+LOCK_FILE = ".run.lock"  # held by the run writing into the folder (lock_output_dir)
 
 
 @dataclass(frozen=True)

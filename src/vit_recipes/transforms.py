@@ -79,7 +79,6 @@ def affine_grid(theta: Tensor, size: int) -> Tensor:
 
 
 def resample(x: Tensor, theta: Tensor, size: int, padding_mode: str) -> Tensor:
-    """Bilinear sampling of float images through per-sample affine maps onto a size x size grid."""
     grid = affine_grid(theta.to(x.dtype), size)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=padding_mode, align_corners=False)
 
@@ -307,7 +306,6 @@ class EvalTransform(_Normalized):
 
 
 def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransform, EvalTransform]:
-    """The train and eval transforms an AugmentationArguments describes."""
     train_fields = ("crop_scale_min", "hflip_prob", "auto_augment", "randaugment_num_ops", "randaugment_magnitude")
     train_fields += ("random_erasing",)
     train = TrainTransform(image_size, mean, std, **{name: getattr(aug_args, name) for name in train_fields})
