@@ -23,7 +23,7 @@ def tiny_run_args(data, model, out, *extra):
 
 def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, run_script, capsys):
     out = tmp_path / "run"
-    results = run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "6"))
+    results = run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "6", "--eval_strategy", "epoch"))
     printed = capsys.readouterr().out
     assert {"eval_accuracy", "eval_top5_accuracy", "eval_f1_macro", "test_accuracy", "test_top5_accuracy"} <= set(
         results
@@ -31,6 +31,10 @@ def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, ru
     saved = json.loads((out / "all_results.json").read_text())
     assert saved["test_accuracy"] == pytest.approx(results["test_accuracy"])
     assert saved["train_images_per_second"] > 0
+    # The evaluation at the last training step scored this very model: its validation metrics are reused, not
+    # computed again (the same runtime, to the digit)
+    in_training = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_loss" in e]
+    assert in_training[-1]["step"] == 6 and saved["eval_runtime"] == in_training[-1]["eval_runtime"]
     # where the wall time went, phase by phase, adding up to the total
     phases = ("startup", "data", "model", "decode", "trainer", "train", "save", "evaluate", "reports")
     assert all(saved[f"time_{p}_s"] >= 0 for p in phases) and saved["time_train_s"] > 0

@@ -182,12 +182,27 @@ def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
     for name, split in (("eval", splits.validation), ("test", splits.test)):
         if split is None:
             continue
+        if name == "eval" and splits.test is not None and (metrics := evaluated_at_the_end(trainer)):
+            trainer.log_metrics(name, metrics)  # the reports come from test: no second pass over validation
+            trainer.save_metrics(name, metrics)
+            results.update(metrics)
+            continue
         output = trainer.predict(split, metric_key_prefix=name)
         trainer.log_metrics(name, output.metrics)
         trainer.save_metrics(name, output.metrics)
         results.update(output.metrics)
         last = ("test" if name == "test" else "validation", output)
     return results, last
+
+
+def evaluated_at_the_end(trainer) -> dict | None:
+    """The validation metrics of an evaluation during training at its last step, when the model has not changed
+    since (no weight average swapped in, no best checkpoint loaded); else None."""
+    state, t = trainer.state, trainer.args
+    last = next((entry for entry in reversed(state.log_history) if "eval_loss" in entry), None)
+    if last is None or last.get("step") != state.global_step or trainer.ema is not None or t.load_best_model_at_end:
+        return None
+    return {k: v for k, v in last.items() if k.startswith("eval_")}
 
 
 def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, plots: bool) -> dict:
