@@ -372,6 +372,8 @@ class Suite:
             shutil.copytree(checkpoint, job.output / checkpoint.name)
             shutil.copy(job.seed_from / "run_config.json", job.output / "run_config.json")
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        # The suite's own compile cache, empty at its start: "short and cold" is cold even on a machine that ran it
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(self.work / "compile-cache")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
         if placed and len(placed) < self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_ids[g] for g in placed)
@@ -604,7 +606,8 @@ def check_single(suite: Suite, add, ran) -> None:
         # The card's hyperparameters hold the resolved setting; the log says why
         card = (w / name / "README.md").read_text() if (w / name / "README.md").is_file() else ""
         compiled = bool(re.search(r"\| torch_compile_regions \| True \|", card))
-        said = [line.split("WARNING ", 1)[-1] for line in log_text(suite, name).splitlines()
+        # the message after the log prefix ("12:00:00 WARNING vit_recipes.plan: ")
+        said = [line[line.index("Regional compilation"):] for line in log_text(suite, name).splitlines()
                 if "Regional compilation" in line]  # fmt: skip
         why = {"default": f"Regional compilation off: {STEPS} steps would not repay a cold compile",
                "default-again": "Regional compilation on: the compile cache holds this model and batch",
