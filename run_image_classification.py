@@ -24,7 +24,7 @@ from vit_recipes.fp8 import convert_to_fp8
 from vit_recipes.interrupt import RunInterrupted
 from vit_recipes.modeling import build_finetune_model, mean_std
 from vit_recipes.patch_dropout import add_patch_dropout
-from vit_recipes.plan import build_plan, configure, decide_compile, remember_compiled
+from vit_recipes.plan import build_plan, configure, decide_compile
 from vit_recipes.steps import (
     build_trainer,
     evaluate,
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 6. Trainer: regional compilation where it pays (the steps are known now), device transforms, metrics, speed
     #    meter, trackers, profiler; DeepSpeed/FSDP set-up.
-    compiled = decide_compile(plan, args, model, len(splits.train) if training.do_train else 0)
+    decide_compile(plan, args, len(splits.train) if training.do_train else 0)
     trainer, meter = build_trainer(args, plan, model, splits, finetune, image_size, mean, std)
     timeline.mark("trainer")
 
@@ -88,7 +88,6 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     if training.do_train:
         results.update(train(trainer, plan, splits, finetune, meter, timeline.phases["decode"]))
-        remember_compiled(compiled if trainer.is_world_process_zero() else None)
         timeline.mark("train")  # includes the first steps' warm-up and checkpoint saves
     if training.do_train or training.do_eval:  # a run that only predicts writes predictions.csv alone
         save_model_files(trainer, args, splits, image_size, mean, std)

@@ -4,8 +4,6 @@ loaded (`build_plan`) and applied to other libraries' settings (`configure`). No
 from __future__ import annotations
 
 import base64
-import hashlib
-import importlib.metadata
 import json
 import logging
 import math
@@ -15,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import strategies
-from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config
+from .arguments import RunArguments, compile_regions, run_config
 from .checks import check_plan, config_value, deepspeed_checkpoint_world_size
 from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
@@ -226,7 +224,7 @@ def eager_if_compile_fails() -> None:
     dynamo_log.addFilter(one_line)
 
 
-# A cold regional compile costs as much as hundreds of steps save; from a warm cache it costs about a second.
+# A regional compile costs as much as hundreds of steps save, even from a warm cache (it traces again):
 # docs/benchmarks.md ("When compilation pays") has the measurements behind this threshold.
 COMPILE_PAYS_AFTER_STEPS = 1000
 
@@ -236,55 +234,29 @@ def planned_steps(t, train_images: int, global_batch: int) -> int:
     return t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * max(1, train_images // global_batch))
 
 
-def compile_marker(model, t, plan: RunPlan) -> Path:
-    """A file standing for "inductor's caches hold this compiled model": keyed by torch, Triton, GPU, model config,
-    batch, precision and strategy. The caches key their own artifacts; this only predicts a warm compile."""
-    import torch
-
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = None
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else plan.device
-    parts = [torch.__version__, triton, gpu, model.config.to_json_string(), t.per_device_train_batch_size,
-             plan.precision, plan.strategy.name, t.torch_compile_mode]  # fmt: skip
-    key = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
-    return compile_cache_dir() / "compiled_models" / key
-
-
-def decide_compile(plan: RunPlan, args: RunArguments, model, train_images: int) -> Path | None:
-    """Regional compilation where the command leaves it unset (training on a CUDA GPU): on when the compile cache
-    already holds this model and batch, or when the run is long enough to repay a cold compile; one line either way.
-    Returns the marker to write once a GPU training compiled, else None."""
+def decide_compile(plan: RunPlan, args: RunArguments, train_images: int) -> None:
+    """Regional compilation where the command leaves it unset (training on a CUDA GPU): on when the run is long
+    enough to repay the compile; one line either way."""
     t = args.training
-    if plan.device != "cuda" or not t.do_train:
-        return None
-    if t.torch_compile_regions is not None:  # asked for on the command line (or in the recipe)
-        return compile_marker(model, t, plan) if t.torch_compile_regions else None
+    if not (t.torch_compile_regions is None and t.do_train and plan.device == "cuda"):
+        return
     if t.fp8 and t.fp8_backend == "transformer_engine":
         logger.warning("Regional compilation off: Transformer Engine's FP8 layers run eagerly")
-        return None
+        return
     if not plan.strategy.spec.supports("torch_compile_regions"):  # where it does not train correctly (ZeRO-3)
-        return None
-    marker, steps = compile_marker(model, t, plan), planned_steps(t, train_images, plan.global_batch)
-    if not (marker.exists() or steps >= COMPILE_PAYS_AFTER_STEPS):
+        return
+    steps = planned_steps(t, train_images, plan.global_batch)
+    if steps < COMPILE_PAYS_AFTER_STEPS:
         logger.warning(
-            "Regional compilation off: %s steps would not repay a cold compile (it pays from %s; "
+            "Regional compilation off: %s steps would not repay the compile (it pays from %s; "
             "--torch_compile_regions true compiles anyway)", f"{steps:,}", f"{COMPILE_PAYS_AFTER_STEPS:,}",
         )  # fmt: skip
-        return None
+        return
     compile_regions(t)
     eager_if_compile_fails()
-    why = "the compile cache holds this model and batch" if marker.exists() else f"{steps:,} steps repay it"
-    logger.warning("Regional compilation on: %s (--torch_compile_regions false trains eagerly)", why)
-    return marker
-
-
-def remember_compiled(marker: Path | None) -> None:
-    """After a compiled training: the same command again expects a warm cache (and compiles whatever its steps)."""
-    if marker is not None:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+    logger.warning(
+        "Regional compilation on: %s steps repay it (--torch_compile_regions false trains eagerly)", f"{steps:,}"
+    )
 
 
 def configure(plan: RunPlan, args: RunArguments) -> None:
