@@ -178,3 +178,30 @@ def test_a_kill_reaches_workers_in_sessions_of_their_own(acceptance):
     assert len(killed) == 2
     time.sleep(0.5)
     assert not [pid for pid in killed if acceptance._alive(pid)]
+
+
+def test_the_compile_checks_read_the_line_after_the_log_prefix_and_the_card(acceptance, tmp_path):
+    """The default command, short: eager (card) and its one WARNING line, as the logger prints it; asked for,
+    compiled (card). A short default that compiled, or a line missing, fails."""
+    suite = suite_for(acceptance, 1, tmp_path, parts=["single"])
+    suite.jobs = {name: job for name, job in suite.jobs.items() if name in ("default", "compiled")}
+    for job in suite.jobs.values():
+        job.result = {"exit": 0}
+    (tmp_path / "logs").mkdir()
+
+    def run(name: str, compiled: bool, line: str) -> None:
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "README.md").write_text(f"| torch_compile_regions | {compiled} |\n")
+        (tmp_path / "logs" / f"{name}.log").write_text(f"12:00:00 WARNING vit_recipes.plan: {line}\n" if line else "")
+
+    off = "Regional compilation off: 30 steps would not repay the compile (it pays from 1,000; ...)"
+    run("default", False, off)
+    run("compiled", True, "")
+    rows = {r["check"]: r["status"] for r in acceptance.check(suite)}
+    assert rows["the default command, short: eager, and one line says why"] == "PASS"
+    assert rows["--torch_compile_regions true: trains compiled (the card says so)"] == "PASS"
+    run("default", True, "Regional compilation on: 30 steps repay it")
+    run("compiled", False, "")
+    rows = {r["check"]: r["status"] for r in acceptance.check(suite)}
+    assert rows["the default command, short: eager, and one line says why"] == "FAIL"
+    assert rows["--torch_compile_regions true: trains compiled (the card says so)"] == "FAIL"
