@@ -532,9 +532,12 @@ def test_two_machines_over_loopback_with_the_slurm_script(ten_classes, new_head_
 # ------------------------------------------------------------------------------- bad input: one line each
 
 
-def parse(*extra, data="data", model="model", out="out"):
+def parse(*extra, data="data", model="model", out=None):
+    import tempfile
+
     from vit_recipes.arguments import parse_args
 
+    out = out or tempfile.mkdtemp(prefix="vit-recipes-test-")  # configure() locks it: never the repository's out/
     return parse_args(
         ["--dataset_name", data, "--model_name_or_path", str(model), "--output_dir", str(out), "--report_to", "none"]
         + list(map(str, extra))
