@@ -89,9 +89,9 @@ class Run:
 def argv_of(run: Run, assets: Path, out: Path) -> list[str]:
     ours, peer = JOBS[run.job]
     data = ["--model_name_or_path", str(assets / "vit-base"), "--dataset_name", str(assets / "cifar100")]
-    if run.who == "peer":
-        return [sys.executable, "benchmarks/peer.py", *data, "--output_dir", str(out), *PEER_COMMON, *peer,
-                "--dataloader_num_workers", str(run.workers)]  # fmt: skip
+    if run.who == "peer":  # the job's arguments (and --extra) last: they win
+        return [sys.executable, "benchmarks/peer.py", *data, "--output_dir", str(out), *PEER_COMMON,
+                "--dataloader_num_workers", str(run.workers), *peer]  # fmt: skip
     extra = ["--torch_compile_regions", "true"] if run.who == "ours-compiled" else []
     return [sys.executable, "run_image_classification.py", "--config", RECIPE, *data, "--output_dir", str(out),
             "--report_to", "none", *ours, *extra]  # fmt: skip
