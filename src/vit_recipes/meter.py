@@ -37,6 +37,7 @@ class SpeedMeter(TrainerCallback):
         self.peak_flops = peak_flops  # of all GPUs together
         self.window, self.run = _Totals(), _Totals()  # since the previous log; after warm-up
         self._pending_data, self._last = 0.0, None  # seconds waited for data; the previous step's end
+        self.startup: dict[str, float] = {}  # process start to the first step's end; the warm-up steps' time
 
     def add_data_wait(self, seconds: float) -> None:
         self._pending_data += seconds
@@ -117,7 +118,7 @@ class SpeedMeter(TrainerCallback):
         figures = self._figures(self.run)
         digits = {"images_per_second": 2, "step_time_s": 5, "data_wait_fraction": 5, "mfu": 4}
         out = {f"train_{k}": round(v, digits[k]) for k, v in figures.items()}
-        out.update({f"train_{k}": round(v, 2) for k, v in getattr(self, "startup", {}).items()})
+        out.update({f"train_{k}": round(v, 2) for k, v in self.startup.items()})
         if figures:
             out["train_time_20_steps_s"] = round(20 * figures["step_time_s"], 3)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
