@@ -133,6 +133,32 @@ def run_script():
     return run
 
 
+def run_scripts_at_once(*argvs, threads: int = 1) -> list[tuple[dict, str]]:
+    """Run the script once per argument list, all at the same time, each in its own process with `threads` torch
+    threads: the independent runs a test compares share the machine's cores whatever OMP_NUM_THREADS the suite has
+    (in-process, one run after the other, OMP_NUM_THREADS=1 left a core idle). Returns each run's all_results.json
+    and stdout."""
+    import contextlib
+    import json
+    import subprocess
+    import tempfile
+
+    argvs = [[str(a) for a in argv] for argv in argvs]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with contextlib.ExitStack() as stack:  # files, not pipes: a full pipe would stall its run
+        logs = [[stack.enter_context(tempfile.TemporaryFile("w+")) for _ in "oe"] for _ in argvs]
+        runs = [subprocess.Popen([sys.executable, str(ROOT / "run_image_classification.py"), *argv], cwd=ROOT,
+                                 env=env, stdout=out, stderr=err) for argv, (out, err) in zip(argvs, logs)]  # fmt: skip
+        results = []
+        for argv, run, (out, err) in zip(argvs, runs, logs):
+            run.wait(timeout=900)
+            out.seek(0), err.seek(0)
+            assert run.returncode == 0, err.read()[-4000:]
+            folder = Path(argv[argv.index("--output_dir") + 1])
+            results.append((json.loads((folder / "all_results.json").read_text()), out.read()))
+    return results
+
+
 FAST_ARGS = (
     "--dataloader_num_workers",
     "0",

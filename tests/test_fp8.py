@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, TRAIN_SEED, logged_losses, run_args
+from conftest import ROOT, TRAIN_SEED, logged_losses, run_args, run_scripts_at_once
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
@@ -34,9 +34,10 @@ def test_fp8_matches_bf16_accuracy_and_saves_a_plain_model(digits_dir, tmp_path,
     2-core x86 box over VIT_TEST_SEED 42/43 x OMP_NUM_THREADS 1/2 (bf16 rounding makes runs thread-dependent): test
     accuracy bf16 0.770-0.851, FP8 0.755-0.810, FP8 minus bf16 -0.063 to -0.004 (one of the 269 test images is
     0.0037), mean logged training loss -3.4% to +0.4%. The saved model has the plain ViT's tensors and reloads
-    without torchao."""
-    base = run_script(*digits_run(digits_dir, tmp_path / "bf16"))
-    fp8 = run_script(*digits_run(digits_dir, tmp_path / "fp8", "--fp8", "true"))
+    without torchao. Both runs train at once, one thread each."""
+    (base, _), (fp8, _) = run_scripts_at_once(
+        digits_run(digits_dir, tmp_path / "bf16"), digits_run(digits_dir, tmp_path / "fp8", "--fp8", "true")
+    )
     ours, theirs = logged_losses(tmp_path / "fp8"), logged_losses(tmp_path / "bf16")
     assert ours != theirs, "FP8 rounding must change the numbers (else nothing was converted)"
     # mean of the 8 logged losses, FP8 vs bf16: measured -3.4% to +0.4%; an FP8 run that learned nothing: about +44%

@@ -305,3 +305,53 @@ def test_the_logged_grad_norm_is_the_mean_over_the_logging_window(monkeypatch):
     trainer.log({"eval_loss": 0.5})  # an evaluation log leaves the window alone
     trainer.log({"loss": 1.0, "grad_norm": 7.0})
     assert [e.get("grad_norm") for e in logged] == [5.0, None, 7.0]
+
+
+def test_a_non_finite_loss_is_logged_by_the_trainers_rule_without_a_check_on_the_host(tmp_path, monkeypatch):
+    """The Trainer's own NaN/inf filter reads each step's loss on the host (a GPU sync per step): ours applies its
+    rule on the device. Both log the same losses; --logging_nan_inf_filter false logs the NaN."""
+    import math
+
+    import torch
+    from conftest import tiny_vit_config
+    from transformers import Trainer, ViTForImageClassification
+
+    from vit_recipes.arguments import RecipeTrainingArguments
+    from vit_recipes.trainer import ImageClassificationTrainer
+
+    class TrainersOwnCheck(ImageClassificationTrainer):  # the Trainer's path: its host-side check, no device rule
+        def train(self, *args, **kwargs):
+            return Trainer.train(self, *args, **kwargs)
+
+        def training_step(self, *args, **kwargs):
+            return Trainer.training_step(self, *args, **kwargs)
+
+    step = Trainer.training_step
+    calls = {"n": 0}
+
+    def nan_at_the_third(self, *args, **kwargs):  # the logged value only: the weights train on the real loss
+        calls["n"] += 1
+        loss = step(self, *args, **kwargs)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(Trainer, "training_step", nan_at_the_third)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"pixel_values": torch.randn(3, 16, 16, generator=generator), "labels": i % 7} for i in range(16)]
+
+    def logged_losses(cls, **flags):
+        calls["n"] = 0
+        torch.manual_seed(0)
+        args = RecipeTrainingArguments(output_dir=str(tmp_path / cls.__name__), use_cpu=True, report_to="none",
+                                       max_steps=4, logging_steps=2, per_device_train_batch_size=4,
+                                       eval_strategy="no", save_strategy="no", dataloader_num_workers=0,
+                                       disable_tqdm=True, **flags)  # fmt: skip
+        trainer = cls(model=ViTForImageClassification(tiny_vit_config()), args=args, train_dataset=data)
+        trainer.train()
+        assert args.logging_nan_inf_filter == flags.get("logging_nan_inf_filter", True)  # restored after train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    ours = logged_losses(ImageClassificationTrainer)
+    assert len(ours) == 2 and all(math.isfinite(loss) for loss in ours)
+    assert ours == pytest.approx(logged_losses(TrainersOwnCheck), rel=1e-6)
+    unfiltered = logged_losses(ImageClassificationTrainer, logging_nan_inf_filter=False)
+    assert unfiltered[0] == pytest.approx(ours[0]) and math.isnan(unfiltered[1])

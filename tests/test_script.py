@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TRAIN_SEED, run_args
+from conftest import ROOT, TRAIN_SEED, run_args, run_scripts_at_once
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
@@ -251,9 +251,7 @@ def test_dataloader_workers_are_stopped_before_main_returns(cifar_like, tiny_vit
 
 
 @pytest.mark.slow
-def test_balanced_class_weights_raise_minority_recall_on_real_imbalanced_digits(
-    digits_dir, tmp_path, run_script, capsys
-):
+def test_balanced_class_weights_raise_minority_recall_on_real_imbalanced_digits(digits_dir, tmp_path):
     """scikit-learn's digits with classes 8 and 9 cut to 6 training images each (the others keep ~115): the
     unweighted loss all but ignores them; --class_weights balanced gives them the weight of a full class, and
     balanced_sampler draws them as often as the others. The summary and the card lead with balanced figures."""
@@ -271,17 +269,18 @@ def test_balanced_class_weights_raise_minority_recall_on_real_imbalanced_digits(
     splits["train"] = splits["train"].filter(keep)
     data = tmp_path / "imbalanced"
     splits.save_to_disk(str(data))
-    recall = {}
-    for weights in ("none", "balanced", "balanced_sampler"):
+    recall, kinds = {}, ("none", "balanced", "balanced_sampler")
+    runs = run_scripts_at_once(*(
+        ("--config", ROOT / "recipes/quickstart/digits.yaml", "--dataset_name", data, "--output_dir", tmp_path / w,
+         "--num_train_epochs", "12", "--eval_strategy", "no", "--class_weights", w, "--seed", TRAIN_SEED)
+        for w in kinds
+    ))  # fmt: skip
+    for weights, (_, stdout) in zip(kinds, runs):
         out = tmp_path / weights
-        capsys.readouterr()
-        run_script("--config", ROOT / "recipes/quickstart/digits.yaml", "--dataset_name", data, "--output_dir", out,
-                   "--num_train_epochs", "12", "--eval_strategy", "no", "--class_weights", weights,
-                   "--seed", TRAIN_SEED)  # fmt: skip
         with open(out / "per_class_accuracy_test.csv") as f:
             rows = {int(r["class_id"]): float(r["accuracy"]) for r in csv.DictReader(f)}
         recall[weights] = (rows[8] + rows[9]) / 2
-        summary = capsys.readouterr().out.split("=" * 60)[-2].strip().splitlines()
+        summary = stdout.split("=" * 60)[-2].strip().splitlines()
         assert summary[0].startswith("classes are imbalanced in train (6 to "), summary
         assert summary[1].startswith("test_balanced_accuracy (mean per-class recall): ")
         assert summary[2].startswith("test_f1_macro: ") and summary[3].startswith("worst classes' recall: ")

@@ -286,6 +286,11 @@ class RecipeTrainingArguments(TrainingArguments):
     ddp_find_unused_parameters: bool | None = _arg(
         False, "DDP's per-step search for unused parameters: off, as ViT (full, LoRA or head only) uses every one."
     )
+    accelerator_config: dict | str | None = _arg(
+        help_text="accelerate's settings (JSON, see TrainingArguments). non_blocking by default: batches reach the GPU "
+        "from pinned memory without a host synchronisation per step (off on CPUs).",
+        default_factory=lambda: {"non_blocking": True},
+    )
     gradient_checkpointing_kwargs: dict | str | None = _arg(
         help_text="Non-reentrant by default: works with frozen inputs (LoRA) and every strategy.",
         default_factory=lambda: {"use_reentrant": False},

@@ -268,6 +268,7 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
         remove_checkpoints(plan.output.stale_checkpoints)  # a new run must never resume the old run's state
     if plan.device == "cpu":  # no accelerator to pin memory for (torch warns at every DataLoader otherwise)
         t.dataloader_pin_memory = False
+        t.accelerator_config.non_blocking = False  # nothing to copy to (the Trainer warns without pinned memory)
     frozen_backbone = args.lora.method != "full" or is_adapter_dir(args.model.model_name_or_path)
     if frozen_backbone and t.ddp_find_unused_parameters is None:
         # Every trainable parameter is used in each step; True would cost a graph walk per step and breaks reentrant

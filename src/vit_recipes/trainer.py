@@ -84,6 +84,10 @@ class ImageClassificationTrainer(Trainer):
         # Which transform a batch gets: set by training_step / prediction_step, not read off self.model.training:
         # regional compilation trains a copy of the top module and self.model stays in eval mode.
         self._training_batch = False
+        # The Trainer's NaN/inf loss filter reads every step's loss on the host (`torch.isnan(loss) or ...`): a GPU
+        # synchronisation that idles the GPU while the host prepares the next step. train() turns that check off and
+        # training_step applies the same rule on the device (the user's setting, kept here, is restored after).
+        self.filter_nan_inf = self.args.logging_nan_inf_filter
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
         self.add_callback(_StopAtTheLastStep())
@@ -132,6 +136,8 @@ class ImageClassificationTrainer(Trainer):
             ds_config.setdefault("checkpoint", {})["load_universal"] = universal
         if self.ema is not None and resume_from_checkpoint:
             self.ema.load(resume_from_checkpoint, self.model)
+        self.filter_nan_inf = self.args.logging_nan_inf_filter
+        self.args.logging_nan_inf_filter = False  # applied on the device by training_step
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next
@@ -140,6 +146,7 @@ class ImageClassificationTrainer(Trainer):
                 self._load_best_model()
             output = TrainOutput(self.state.global_step, 0.0, {})
         finally:
+            self.args.logging_nan_inf_filter = self.filter_nan_inf
             self.stop_on_signal.on_train_end(self.args, self.state, self.control)  # handlers off, however it ended
         if self.stop_on_signal.stopped_at is not None:  # saved on a signal: not a finished run
             raise RunInterrupted(self.stop_on_signal.stopped_at, self.stop_on_signal.signum)
@@ -207,8 +214,20 @@ class ImageClassificationTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._training_batch = True
         loss = super().training_step(model, inputs, num_items_in_batch)
+        window = getattr(self, "_tr_loss", None)  # the Trainer's loss sum since its last log
+        if self.filter_nan_inf and window is not None:  # its rule: a non-finite loss counts as that window's mean
+            mean = window / (1 + self.state.global_step - self._globalstep_last_logged)
+            loss = torch.where(torch.isfinite(loss), loss, mean.to(loss.dtype))
         self.loss_sum = loss.detach() + self.loss_sum  # stays on the device: no synchronisation per step
         return loss
+
+    def evaluation_loop(self, *args, **kwargs):
+        training = self.args.logging_nan_inf_filter  # False inside train(): evaluation reads the user's setting
+        self.args.logging_nan_inf_filter = self.filter_nan_inf
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.args.logging_nan_inf_filter = training
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self._training_batch = False
