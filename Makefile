@@ -33,7 +33,9 @@ demo: .installed
 test: .installed-test
 	@$(PYTHON) -c "from importlib.metadata import version as v; print('resolved:', ', '.join(f'{p} {v(p)}' for p in \
 		('torch transformers datasets accelerate peft evaluate huggingface_hub deepspeed safetensors pillow numpy pyarrow'.split())))"
-	$(PYTHON) -m pytest tests -q
+# Test files run on up to 4 worker processes at once (pytest-xdist), each file's tests on one worker, in order, so
+# its shared fixtures are built once: many tests wait on launched processes, and one worker left cores idle.
+	$(PYTHON) -m pytest tests -q -n auto --maxprocesses 4 --dist loadfile
 
 # The GPU acceptance suite (docs/development.md): every strategy, checkpoint path and one-GPU feature on this
 # machine's GPUs, written to benchmarks/results/<date>_acceptance_<gpus>x<card>/. PARTS=strategies,kill picks parts.
