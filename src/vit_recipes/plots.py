@@ -89,7 +89,7 @@ def _finish(ax, title: str, ylabel: str, legend: bool = False) -> None:
 
 def _save(fig: Figure, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, pil_kwargs={"compress_level": 1})  # fast zlib: the end of a run waits on it
     return path
 
 
