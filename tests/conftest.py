@@ -15,6 +15,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# pytest-xdist workers (make test) share the machine's cores: torch's default of a thread per core in each would
+# oversubscribe them, so each takes its share unless OMP_NUM_THREADS says otherwise (as torchrun does per process).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 ROOT = Path(__file__).resolve().parents[1]
 # The training seed of the tests that compare how well runs learn. Their margins were measured over seeds 42 and 43
 # and several OMP_NUM_THREADS; `VIT_TEST_SEED=43 make test` checks another seed (docs/development.md).
