@@ -8,6 +8,11 @@ DEMO_OUT ?= outputs/digits-vit
 
 .PHONY: install demo test test-gpu style quality clean
 
+# Test files run on worker processes at once (pytest-xdist), each file's tests on one worker, in order, so its
+# shared fixtures are built once: as many workers as the cores hold at OMP_NUM_THREADS threads each (1 if unset), at
+# most 4. One process left cores idle while tests waited on launched processes.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, max(1, (os.cpu_count() or 1) // int(os.environ.get('OMP_NUM_THREADS') or 1))))")
+
 # What a run needs, and scikit-learn for the demo's data.
 .installed: setup.cfg pyproject.toml
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
@@ -33,9 +38,7 @@ demo: .installed
 test: .installed-test
 	@$(PYTHON) -c "from importlib.metadata import version as v; print('resolved:', ', '.join(f'{p} {v(p)}' for p in \
 		('torch transformers datasets accelerate peft evaluate huggingface_hub deepspeed safetensors pillow numpy pyarrow'.split())))"
-# Test files run on up to 4 worker processes at once (pytest-xdist), each file's tests on one worker, in order, so
-# its shared fixtures are built once: many tests wait on launched processes, and one worker left cores idle.
-	$(PYTHON) -m pytest tests -q -n auto --maxprocesses 4 --dist loadfile
+	$(PYTHON) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
 
 # The GPU acceptance suite (docs/development.md): every strategy, checkpoint path and one-GPU feature on this
 # machine's GPUs, written to benchmarks/results/<date>_acceptance_<gpus>x<card>/. PARTS=strategies,kill picks parts.
