@@ -8,10 +8,10 @@ DEMO_OUT ?= outputs/digits-vit
 
 .PHONY: install demo test test-gpu style quality clean
 
-# Test files run on worker processes at once (pytest-xdist), each file's tests on one worker, in order, so its
-# shared fixtures are built once: as many workers as the cores hold at OMP_NUM_THREADS threads each (1 if unset), at
-# most 4. One process left cores idle while tests waited on launched processes.
-TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, max(1, (os.cpu_count() or 1) // int(os.environ.get('OMP_NUM_THREADS') or 1))))")
+# Test files run on one worker process per core, at most 4 (pytest-xdist), each file's tests on one worker, in
+# order, so its shared fixtures are built once; each worker's torch takes its share of the cores (tests/conftest.py).
+# One process left cores idle while tests waited on launched processes. TEST_WORKERS=1: one process.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 
 # What a run needs, and scikit-learn for the demo's data.
 .installed: setup.cfg pyproject.toml

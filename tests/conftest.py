@@ -15,11 +15,38 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# pytest-xdist workers (make test) share the machine's cores: torch's default of a thread per core in each would
-# oversubscribe them, so each takes its share unless OMP_NUM_THREADS says otherwise (as torchrun does per process).
+# pytest-xdist workers (make test) share the machine's cores: each takes its share of them for torch's threads, as
+# torchrun gives each of its processes one. An OMP_NUM_THREADS above the share would oversubscribe the cores (tests
+# then ran 20-30% slower) and is lowered to it, in a line at the start.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
+def threads_per_worker(workers: int, asked: str | None) -> int | None:
+    """The torch threads each of `workers` processes gets: the share of the cores, or less if OMP_NUM_THREADS asks."""
+    if workers <= 1:
+        return None  # one process: the environment's setting, or torch's default
+    share = max(1, (os.cpu_count() or 1) // workers)
+    return min(share, int(asked)) if asked and asked.isdigit() and int(asked) > 0 else share
+
+
+if (_THREADS := threads_per_worker(_WORKERS, os.environ.get("OMP_NUM_THREADS"))) is not None:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
+
+def pytest_sessionstart(session):
+    """One line (shown with -q too) with the threads each worker's torch gets, on the controller process."""
+    config = session.config
+    workers = config.getoption("numprocesses", None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if hasattr(config, "workerinput") or not isinstance(workers, int) or reporter is None:
+        return
+    asked = os.environ.get("OMP_NUM_THREADS")
+    if (threads := threads_per_worker(workers, asked)) is not None:
+        lowered = f" (OMP_NUM_THREADS={asked} lowered to the cores' share)" if asked and asked != str(threads) else ""
+        reporter.write_line(
+            f"{workers} test workers on {os.cpu_count()} cores: {threads} torch thread(s) each{lowered}"
+        )
+
 
 ROOT = Path(__file__).resolve().parents[1]
 # The training seed of the tests that compare how well runs learn. Their margins were measured over seeds 42 and 43
