@@ -279,23 +279,12 @@ def test_an_unreachable_hub_is_one_line_before_any_data_or_model(tmp_path, tiny_
         (["--dataset_name", "./no/such/folder", "--model_name_or_path", "google/vit-base-patch16-224-in21k"],
          "the model 'google/vit-base-patch16-224-in21k'"),
     )  # fmt: skip
-    runs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                ROOT / "run_image_classification.py",
-                *argv,
-                *common,
-                "--output_dir",
-                tmp_path / f"out{i}",
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    script = [sys.executable, ROOT / "run_image_classification.py"]
+    runs = [  # both at once
+        subprocess.Popen([*script, *argv, *common, "--output_dir", tmp_path / f"out{i}"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for i, (argv, _) in enumerate(cases)
-    ]  # both at once; fmt: skip
+    ]  # fmt: skip
     for run, (_, what) in zip(runs, cases):
         _, stderr = run.communicate(timeout=300)
         last = stderr.strip().splitlines()[-1]
