@@ -217,7 +217,7 @@ def test_plots_say_when_train_loss_is_smoothed_and_draw_amounts_from_zero(tmp_pa
     from vit_recipes import plots
 
     figures = []
-    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: figures.append(fig) or path)
     train = [
         {
             "step": s,
@@ -249,7 +249,7 @@ def test_every_plot_reads_at_a_glance(tmp_path, monkeypatch):
     from vit_recipes import plots
 
     figures = []
-    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: figures.append(fig) or path)
     train = [
         {
             "step": s,

@@ -20,13 +20,12 @@ _RANK_KEY = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
 
 
 def _series(history: list[dict], key: str) -> tuple[list[float], list[float]]:
-    points = [
-        (e["step"], e[key]) for e in history if isinstance(e.get(key), (int, float)) and isinstance(e.get("step"), int)
-    ]
-    return [p[0] for p in points], [p[1] for p in points]
+    kept = [e for e in history if isinstance(e.get(key), (int, float)) and isinstance(e.get("step"), int)]
+    return [e["step"] for e in kept], [e[key] for e in kept]
 
 
-def _grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[Figure, list]:
+def figure_grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[Figure, list]:
+    """A bare Agg Figure, `panels` axes 3 a row; no pyplot state: it needs no display and disturbs no session."""
     cols = min(3, panels)
     rows = math.ceil(panels / cols)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -87,9 +86,9 @@ def _finish(ax, title: str, ylabel: str, legend: bool = False) -> None:
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
 
 
-def _save(fig: Figure, path: str) -> str:
+def save_png(fig: Figure, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, pil_kwargs={"compress_level": 1})  # fast zlib: the end of a run waits on it
+    fig.savefig(path, pil_kwargs={"compress_level": 1})  # the run's end waits: PIL's default 6 took 3x as long
     return path
 
 
@@ -106,7 +105,7 @@ def plot_training_curves(history: list[dict], path: str, label_smoothing: float 
     if not train:
         return None
     panels = ["loss", "learning_rate"] + (["grad_norm"] if any("grad_norm" in e for e in train) else [])
-    fig, axes = _grid(len(panels))
+    fig, axes = figure_grid(len(panels))
     for ax, key in zip(axes, panels):
         steps, values = _series(train, key)
         smoothed = f", label smoothing {label_smoothing:g}" if key == "loss" and label_smoothing else ""
@@ -117,7 +116,7 @@ def plot_training_curves(history: list[dict], path: str, label_smoothing: float 
                 suffix = " (no smoothing)" if label_smoothing else ""
                 ax.plot(eval_steps, eval_values, marker="o", label=f"validation{suffix}")
         _finish(ax, *describe(key), legend=key == "loss")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_validation_metrics(history: list[dict], path: str) -> str | None:
@@ -125,14 +124,14 @@ def plot_validation_metrics(history: list[dict], path: str) -> str | None:
     names = [key for key in dict.fromkeys(logged) if not key.endswith(_EVAL_BOOKKEEPING)]
     if not names:
         return None
-    fig, axes = _grid(len(names))
+    fig, axes = figure_grid(len(names))
     for ax, name in zip(axes, names):
         steps, values = _series(history, name)
         ax.plot(steps, values, marker="o")
         title, ylabel = describe(name)
         lower = title[:1].lower() if not title[1:2].isupper() and not title[1:2].isdigit() else title[:1]
         _finish(ax, f"Validation {lower}{title[1:]}", ylabel)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_throughput(history: list[dict], path: str) -> str | None:
@@ -147,14 +146,14 @@ def plot_throughput(history: list[dict], path: str) -> str | None:
         if match := _RANK_KEY.match(key):
             per_rank.setdefault(match["name"], []).append(key)
     panels += [sorted(keys, key=lambda k: int(_RANK_KEY.match(k)["rank"])) for keys in per_rank.values()]
-    fig, axes = _grid(len(panels))
+    fig, axes = figure_grid(len(panels))
     for ax, keys in zip(axes, panels):
         for key in keys:
             steps, values = _series(train, key)
             rank = _RANK_KEY.match(key)
             ax.plot(steps, values, marker=_marker(steps), label=f"rank {rank['rank']}" if rank else key)
         _finish(ax, *describe(keys[0]), legend=len(keys) > 1)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def write_plots(log_history: list[dict], output_dir: str, label_smoothing: float = 0.0) -> dict[str, str]:
@@ -167,7 +166,6 @@ def write_plots(log_history: list[dict], output_dir: str, label_smoothing: float
     ]
     written = {}
     for name, plot in tqdm(jobs, desc="writing plots", leave=False):
-        path = plot(log_history, os.path.join(output_dir, f"{name}.png"))
-        if path:
+        if path := plot(log_history, os.path.join(output_dir, f"{name}.png")):
             written[name] = path
     return written

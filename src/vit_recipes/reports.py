@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .plots import figure_grid, save_png
+
 CSV_FIELDS = ("class_id", "label", "support", "correct", "accuracy")
 MULTI_LABEL_FIELDS = ("class_id", "label", "support", "average_precision", "precision", "recall", "f1")
 MAX_LABELLED_CLASSES = 120  # beyond this, label every n-th class so tick labels never overlap
@@ -36,8 +38,7 @@ def per_class_accuracy(labels: np.ndarray, predictions: np.ndarray, label_names:
 
 def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str, title: str = "") -> str:
     """Save the confusion matrix as a PNG coloured by the fraction of each true class (rare classes show as well as
-    common ones), with counts in the cells of small matrices; return its path. A bare Figure on the Agg canvas, no
-    pyplot global state: it needs no display and leaves an interactive session alone."""
+    common ones), with counts in the cells of small matrices; return its path."""
     matrix = np.asarray(matrix)
     num_classes = len(label_names)
     rows = matrix.sum(1, keepdims=True)
@@ -47,13 +48,9 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     # about half of each labelled row, so 100+ classes stay readable.
     side = min(22.0, max(7.0, 3.0 + 0.18 * num_classes))
     font = min(10.0, max(5.0, 800 / max(len(ticks), 1)))
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported here: only rank 0 draws, at the end
-    from matplotlib.figure import Figure
-    from matplotlib.font_manager import FontProperties
+    from matplotlib.font_manager import FontProperties  # imported here: only rank 0 draws, at the end
 
-    fig = Figure(figsize=(side + 1, side), dpi=100)  # extra width for the colourbar
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, (ax,) = figure_grid(1, side + 1, side)  # extra width for the colourbar
     image = ax.imshow(normalised, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
     # An inset colourbar is exactly as tall as the (square) matrix, whatever the figure size.
     fig.colorbar(image, cax=ax.inset_axes([1.02, 0, 0.025, 1])).set_label("fraction of true class")
@@ -74,9 +71,7 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
             if count:  # empty cells stay blank to keep the plot quiet
                 colour = "white" if normalised[i, j] > 0.5 else "black"
                 ax.text(j, i, str(count), ha="center", va="center", fontsize=cell_font, color=colour)
-    fig.tight_layout()
-    fig.savefig(path, pil_kwargs={"compress_level": 1})  # PIL's default 6 took 3x as long on 100 classes
-    return path
+    return save_png(fig, path)
 
 
 def tick_names(names: list[str], ids) -> tuple[list[str], str | None]:
@@ -107,13 +102,12 @@ def _shorten(name: str, limit: int = 24) -> str:
 def per_class_multi_label(logits: np.ndarray, targets: np.ndarray, label_names: list[str], threshold: float) -> list:
     """One row per class: AP (scikit-learn's average_precision_score; None without a positive), and precision, recall
     and F1 of `sigmoid >= threshold` (0 where undefined: scikit-learn's zero_division=0)."""
-    from .metric.classification.classification import average_precision  # the metric's own, not a second copy
+    from .metric.classification.classification import _safe_divide, average_precision  # the metric's own, not copies
 
     truth, predicted = targets > 0.5, logits >= np.log(threshold / (1 - threshold))
     tp, support, flagged = (predicted & truth).sum(0), truth.sum(0), predicted.sum(0)
-    ratio = lambda a, b: np.divide(a, b, out=np.zeros(len(b)), where=b > 0)  # noqa: E731
     ap = np.nan_to_num(average_precision(logits, truth))  # NaN without a positive: that row's AP becomes None below
-    scores = zip(ap, ratio(tp, flagged), ratio(tp, support), ratio(2 * tp, support + flagged))
+    scores = zip(ap, _safe_divide(tp, flagged), _safe_divide(tp, support), _safe_divide(2 * tp, support + flagged))
     return [
         {"class_id": i, "label": name, "support": int(n)}
         | dict(zip(MULTI_LABEL_FIELDS[3:], map(float, row)))

@@ -21,9 +21,7 @@ _CITATION = "Pedregosa et al., Scikit-learn: Machine Learning in Python, JMLR 12
 
 def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     """numerator / denominator, 0 where the denominator is 0 (scikit-learn's zero_division=0)."""
-    out = np.zeros(numerator.shape, dtype=np.float64)
-    np.divide(numerator, denominator, out=out, where=denominator > 0)
-    return out
+    return np.divide(numerator, denominator, out=np.zeros(numerator.shape, dtype=np.float64), where=denominator > 0)
 
 
 def _top_k_accuracy(scores: np.ndarray, references: np.ndarray, k: int) -> float:
