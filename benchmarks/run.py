@@ -195,7 +195,7 @@ def normalise(run: dict, defaults: dict | None = None) -> dict:
             raise PlanError(
                 "ds_overrides: a mapping of dotted DeepSpeed keys to values, e.g. {zero_optimization.reduce_bucket_size: 5e7}"
             )
-        if not strategies.BY_NAME[run["strategy"]].is_deepspeed:
+        if strategies.BY_NAME[run["strategy"]].zero_stage is None:  # not a DeepSpeed row
             raise PlanError(f"ds_overrides: strategy {run['strategy']!r} does not use DeepSpeed")
     run["name"] = str(run.get("name") or default_name(run))
     if not re.fullmatch(r"[\w.+-]+", run["name"]):

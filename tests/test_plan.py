@@ -59,7 +59,7 @@ def test_every_shipped_config_is_the_strategy_its_row_names(spec, monkeypatch):
         launch = yaml.safe_load((ROOT / spec.accelerate_config).read_text())
         if spec.deepspeed_config:
             assert launch["deepspeed_config"]["deepspeed_config_file"] == spec.deepspeed_config
-        if spec.is_fsdp:
+        if spec.name.startswith("fsdp"):
             assert launch["distributed_type"] == "FSDP"
             assert launch["fsdp_config"]["fsdp_offload_params"] is spec.offload
             monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

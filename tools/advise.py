@@ -38,7 +38,7 @@ from vit_recipes.errors import RecipeError
 from vit_recipes.memory import BUFFER, GIB, fsdp2_offload_host, load_config
 from vit_recipes.strategies import STRATEGIES, StrategySpec
 
-OPTIONS = tuple(s for s in STRATEGIES if s.multi_process)
+OPTIONS = tuple(s for s in STRATEGIES if s.name != "single")  # the multi-process rows
 
 
 @dataclass

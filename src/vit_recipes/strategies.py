@@ -24,18 +24,6 @@ class StrategySpec:
     def supports(self, feature: str) -> bool:
         return feature not in self.refusals
 
-    @property
-    def multi_process(self) -> bool:
-        return self.name != "single"
-
-    @property
-    def is_deepspeed(self) -> bool:
-        return self.zero_stage is not None
-
-    @property
-    def is_fsdp(self) -> bool:
-        return self.name.startswith("fsdp")
-
 
 _FP8_SHARDED = (
     "--fp8 runs on one GPU or under DDP; with {label} it is untested (sharding splits the float8 layers' weights): "
@@ -95,6 +83,4 @@ def identify(zero_stage: int | None, fsdp: bool, offload: bool, zeropp: bool, wo
         return BY_NAME["zero3_offload" if offload else "zeropp" if zeropp else "zero3"]
     if zero_stage in (1, 2):
         return BY_NAME["zero2_offload" if offload and zero_stage == 2 else f"zero{zero_stage}"]
-    if zero_stage == 0:
-        return BY_NAME["ddp"]
-    return BY_NAME["ddp" if world_size > 1 else "single"]
+    return BY_NAME["ddp" if zero_stage == 0 or world_size > 1 else "single"]
