@@ -90,8 +90,7 @@ def check_adapter_strategy(trainer, setup: FinetuneSetup) -> None:
     what = "LoRA" if setup.method == "lora" else "--freeze_backbone"
     if getattr(trainer, "is_fsdp_enabled", False):
         plugin = trainer.accelerator.state.fsdp_plugin
-        version = getattr(plugin, "fsdp_version", 1) or 1
-        if version == 1 and not getattr(plugin, "use_orig_params", False):
+        if (getattr(plugin, "fsdp_version", 1) or 1) == 1 and not getattr(plugin, "use_orig_params", False):
             raise RecipeError(
                 f"{what} under FSDP1 needs fsdp_use_orig_params: true (frozen and trainable weights share flat "
                 "parameters otherwise); better, use FSDP2 (fsdp_version: 2)"

@@ -300,9 +300,8 @@ class RecipeTrainingArguments(TrainingArguments):
         "torch.compile each transformer layer (compiled once, reused for every layer: accelerate's regional "
         "compilation, also under DeepSpeed and FSDP2) and the rest of the model apart, instead of the whole model at "
         "once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply. Unset: on when training "
-        "on a CUDA GPU under a strategy that allows it and the run repays the compile (1,000+ planned "
-        "steps); false: eager. A compilation that fails runs eagerly, with "
-        "one warning.",
+        "on a CUDA GPU under a strategy that allows it and the run repays the compile (1,000+ planned steps); false: "
+        "eager. A compilation that fails runs eagerly, with one warning.",
     )
     layer_decay: float = _arg(
         1.0,
@@ -342,8 +341,7 @@ class RecipeTrainingArguments(TrainingArguments):
                 setattr(self, new, getattr(self, old))
                 setattr(self, old, None)
         if self.dataloader_num_workers == 0:
-            self.dataloader_persistent_workers = False
-            self.dataloader_prefetch_factor = None
+            self.dataloader_persistent_workers, self.dataloader_prefetch_factor = False, None
         self.report_to = resolve_report_to(self.report_to)
         if self.torch_compile or self.torch_compile_regions:
             compile_regions(self, regions=bool(self.torch_compile_regions))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_from_cache
 
 from .data import imbalance, resolve_source
 from .hub import redact
@@ -122,10 +122,9 @@ def _summary(info: CardInfo, validation: dict, test: dict) -> str:
         task = f"tag images with any of {count} labels (multi-label)"
     text = f"This model is {origin}, trained on {data} to {task} ({names})."
     if info.multi_label:
-        for split, metrics in (("test", test), ("validation", validation)):
-            if "mean_average_precision" in metrics:
-                text += f" It reaches **{metrics['mean_average_precision']:.4f}** mAP on the {split} split."
-                break
+        split, metrics = ("test", test) if "mean_average_precision" in test else ("validation", validation)
+        if "mean_average_precision" in metrics:
+            text += f" It reaches **{metrics['mean_average_precision']:.4f}** mAP on the {split} split."
     elif info.imbalance and "recall_macro" in (metrics := test or validation):
         split = "test" if test else "validation"
         weakest = ", ".join(f"{label} {recall:.0%}" for label, recall in info.worst_recall)
@@ -195,13 +194,10 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
         parts.append(f"## Confusion matrix\n\n![Confusion matrix]({info.confusion_matrix_file})")
 
     parts.append("## How to use")
-    if info.repo_id.startswith("<user>/"):
-        parts.append(
-            f"Not pushed by this run: replace `{info.repo_id}` with the repo you push it to, or a local path."
-        )
-    code = (
-        f'from transformers import pipeline\n\nclassifier = pipeline("image-classification", model="{info.repo_id}")\n'
-    )
+    repo = info.repo_id
+    if repo.startswith("<user>/"):
+        parts.append(f"Not pushed by this run: replace `{repo}` with the repo you push it to, or a local path.")
+    code = f'from transformers import pipeline\n\nclassifier = pipeline("image-classification", model="{repo}")\n'
     if info.multi_label:  # the pipeline returns the 5 best labels unless asked for all: each is an independent sigmoid
         count = len(info.label_names)
         parts.append(f"Each label gets its own sigmoid score: pass `top_k={count}` to see all {count} of them.")
@@ -214,12 +210,12 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
             "from peft import PeftModel\n"
             "from transformers import AutoConfig, AutoModelForImageClassification, pipeline\n\n"
             f'config = AutoConfig.from_pretrained("{base}")\n'
-            f'labels = AutoConfig.from_pretrained("{info.repo_id}")\n'
+            f'labels = AutoConfig.from_pretrained("{repo}")\n'
             "config.num_labels, config.id2label, config.label2id = labels.num_labels, labels.id2label, labels.label2id\n"
             f'base = AutoModelForImageClassification.from_pretrained("{base}", config=config, '
             "ignore_mismatched_sizes=True)\n"
-            f'model = PeftModel.from_pretrained(base, "{info.repo_id}").merge_and_unload()\n'
-            f'classifier = pipeline("image-classification", model=model, image_processor="{info.repo_id}")\n'
+            f'model = PeftModel.from_pretrained(base, "{repo}").merge_and_unload()\n'
+            f'classifier = pipeline("image-classification", model=model, image_processor="{repo}")\n'
         )
     parts.append(f'```python\n{code}print(classifier("path/to/image.jpg"))\n```')
     return "\n\n".join(parts) + "\n"
@@ -298,13 +294,11 @@ def _limitations(splits, dataset: str, evaluated: str | None) -> list[str]:
     trained = f"{len(splits.train):,} images of {dataset}" if splits.train else dataset
     split = getattr(splits, evaluated, None) if evaluated else None
     scope = f"evaluated on its {evaluated} split ({len(split):,} images)" if split else "not evaluated"
-    lines = [f"Trained on {trained} and {scope}: how it does on images from other sources is not measured."]
     if splits.multi_label:
-        lines.append(
-            f"It scores each of the {count} labels on its own; a label counts as present above the threshold."
-        )
+        answers = f"It scores each of the {count} labels on its own; a label counts as present above the threshold."
     else:
-        lines.append(f"It always answers with one of its {count} classes, also for an image that shows none of them.")
+        answers = f"It always answers with one of its {count} classes, also for an image that shows none of them."
+    lines = [f"Trained on {trained} and {scope}: how it does on images from other sources is not measured.", answers]
     if splits.storage_shape:
         size = "x".join(map(str, splits.storage_shape))
         lines.append(f"Images were stored at {size} pixels before training: it never saw finer detail than that.")
@@ -315,14 +309,11 @@ def _limitations(splits, dataset: str, evaluated: str | None) -> list[str]:
 
 def _license_of(model: str | None, cache_dir: str | None, revision: str) -> str | None:
     """The base model's licence from its card: a local folder's README.md, or the Hub's when cached (no download)."""
-    import huggingface_hub
-
     if not model:
         return None
     local = Path(model).expanduser() / "README.md"
     with contextlib.suppress(Exception):  # no card, no cache, unreadable metadata: no licence claimed
-        cached = huggingface_hub.try_to_load_from_cache  # called only without a local card
-        path = local if local.is_file() else cached(model, "README.md", cache_dir, revision)
+        path = local if local.is_file() else try_to_load_from_cache(model, "README.md", cache_dir, revision)
         if isinstance(path, (str, Path)) and Path(path).is_file():
             return ModelCard.load(path).data.license
     return None
@@ -339,12 +330,10 @@ def _source() -> str | None:
         return done.stdout.strip() if done.returncode == 0 else ""
 
     with contextlib.suppress(Exception):  # no git installed, a broken checkout: no source line
-        commit = git("rev-parse", "HEAD")
-        if not commit:
-            return None
-        url = re.sub(r"//[^/@]+@", "//", git("remote", "get-url", "origin"))  # no credentials in a card
-        dirty = " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
-        return f"{url or 'a local checkout'} at commit {commit}{dirty}"
+        if commit := git("rev-parse", "HEAD"):
+            url = re.sub(r"//[^/@]+@", "//", git("remote", "get-url", "origin"))  # no credentials in a card
+            dirty = " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+            return f"{url or 'a local checkout'} at commit {commit}{dirty}"
     return None
 
 

@@ -57,10 +57,9 @@ def check_plan(plan, args) -> None:
     gpus = 0 if cpu else visible_gpus()
     if strategy.world_size == 1 and not strategy.deepspeed and not strategy.fsdp and gpus > 1:
         raise RecipeError(
-            f"{gpus} GPUs are visible to one process: the Trainer would split each batch over them with "
-            "torch.nn.DataParallel (seen 6x slower than one GPU); launch one process per GPU with "
-            "`accelerate launch --multi_gpu` (or a config from accelerate_configs/), or pick one GPU with "
-            "CUDA_VISIBLE_DEVICES=0"
+            f"{gpus} GPUs are visible to one process: the Trainer would split each batch over them with torch.nn."
+            "DataParallel (seen 6x slower than one GPU); launch one process per GPU with `accelerate launch "
+            "--multi_gpu` (or a config from accelerate_configs/), or pick one GPU with CUDA_VISIBLE_DEVICES=0"
         )
     if plan.precision == "bf16" and plan.device == "cuda" and not gpu_bf16_ok():
         raise RecipeError("bf16 is not supported by this GPU (it needs Ampere or newer): use --fp16 true instead")
@@ -117,9 +116,8 @@ def gpu_bf16_ok() -> bool:
     return bool(torch.cuda.is_bf16_supported())
 
 
-def deepspeed_conflicts(config: dict, training_args, global_batch: int, world_size: int) -> list[str]:
+def deepspeed_conflicts(config: dict, t, global_batch: int, world_size: int) -> list[str]:
     """Fixed (non-"auto") DeepSpeed values that disagree with the arguments, as 'key=value vs --flag value'."""
-    t = training_args
     per_device, accumulation = t.per_device_train_batch_size, t.gradient_accumulation_steps
     batch = f"the global batch (per-device {per_device} x accumulation {accumulation} x {world_size} processes) ="
     checks = [
@@ -137,8 +135,7 @@ def deepspeed_conflicts(config: dict, training_args, global_batch: int, world_si
     ]
     out = []
     for key, value, flag in checks:
-        fixed = config_value(config, key)
-        if fixed is not None and fixed != "auto" and not _same(fixed, value):
+        if (fixed := config_value(config, key)) not in (None, "auto") and not _same(fixed, value):
             shown = str(value).lower() if isinstance(value, bool) else value
             out.append(f"{key}={json.dumps(fixed)} vs {flag} {shown}")
     return out
@@ -156,7 +153,7 @@ def _same(a, b) -> bool:
 
 
 def _check_deepspeed(plan, t) -> None:
-    strategy = plan.strategy
+    strategy, name = plan.strategy, plan.strategy.deepspeed_source
     try:
         import deepspeed  # noqa: F401
     except ImportError:
@@ -164,7 +161,6 @@ def _check_deepspeed(plan, t) -> None:
             "DeepSpeed is not installed: pip install 'vit-recipes[deepspeed]' (on a CPU-only machine: "
             "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)"
         ) from None
-    name = strategy.deepspeed_source
     if strategy.from_accelerate and is_true(os.environ.get("ACCELERATE_USE_CPU")):
         raise RecipeError(
             "DeepSpeed cannot run with accelerate's use_cpu/--cpu (accelerate then skips DeepSpeed's setup): "
@@ -232,9 +228,8 @@ def check_host_memory(strategy, model_args) -> None:
     if needed > (available := psutil.virtual_memory().available):
         raise RecipeError(
             f"{strategy.spec.label} needs about {needed / 2**30:.1f} GiB of host memory on this node for "
-            f"{params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a "
-            "configuration without offload, more nodes, or a machine with more memory "
-            "(python tools/advise.py shows the options)"
+            f"{params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a configuration "
+            "without offload, more nodes, or a machine with more memory (python tools/advise.py shows the options)"
         )
 
 
@@ -322,17 +317,14 @@ def check_model(strategy, model) -> None:
     for name, module in model.named_modules():
         if id(module) in inside_leaf:
             continue
-        leaf = type(module).__name__ in leaf_classes
-        if leaf:
+        if leaf := type(module).__name__ in leaf_classes:
             inside_leaf.update(id(m) for m in module.modules())
-        params = list(module.parameters(recurse=leaf))
-        shard = sum(-(-getattr(q, "ds_numel", q.numel()) // world) for q in params)
-        if shard % 8:
-            full = sum(getattr(q, "ds_numel", q.numel()) for q in params)
+        sizes = [getattr(q, "ds_numel", q.numel()) for q in module.parameters(recurse=leaf)]
+        if (shard := sum(-(-size // world) for size in sizes)) % 8:
             raise RecipeError(
                 f"{strategy.deepspeed_source}: ZeRO++ quantized weights need each gathered shard to hold a multiple "
-                f"of 8 values, but {name or type(model).__name__}'s {full:,} parameters split into {shard:,} per "
-                f"process over {world}: set zero_quantized_weights to false (hierarchical partitioning and "
+                f"of 8 values, but {name or type(model).__name__}'s {sum(sizes):,} parameters split into {shard:,} "
+                f"per process over {world}: set zero_quantized_weights to false (hierarchical partitioning and "
                 "quantized gradients still apply), or use a label count that divides evenly"
             )
 
@@ -353,9 +345,7 @@ def check_fsdp_wrap(strategy, model) -> None:
             f"layer class ({', '.join(layers or repeated_blocks(model))}) with accelerate launch "
             "--fsdp_transformer_layer_cls_to_wrap, or fsdp_transformer_layer_cls_to_wrap in the accelerate config"
         )
-    embed = getattr(model, "get_input_embeddings", lambda: None)()
-    if embed is None:
-        return
+    embed = getattr(model, "get_input_embeddings", lambda: None)()  # None: no module holds it, so nothing clashes
     holders = {type(m).__name__ for m in model.modules() if m is not model and any(c is embed for c in m.modules())}
     if clash := sorted(holders.intersection(names)):
         keep = [n for n in names if n not in holders]
@@ -388,7 +378,7 @@ def _as_path(name: str) -> str | None:
 def check_hub(args) -> None:
     """Before any data or model: pushing is possible, and a model or dataset that must come from the Hub can (one
     line now, instead of a failure after the data was loaded and decoded)."""
-    import huggingface_hub
+    from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
 
     check_push_ready(args.training)
@@ -397,9 +387,7 @@ def check_hub(args) -> None:
         what = f"download the model '{name}'"
         reachable_or_cached(name, model.cache_dir, model.model_revision, what, missing=_as_path(name))
         try:  # the cached copy when there is one; offline without one, or unreachable, raises
-            huggingface_hub.hf_hub_download(
-                name, "config.json", revision=model.model_revision, cache_dir=model.cache_dir
-            )
+            hf_hub_download(name, "config.json", revision=model.model_revision, cache_dir=model.cache_dir)
         except RemoteEntryNotFoundError:  # a repo without config.json (a LoRA adapter): modeling.py handles it
             pass
         except Exception as err:
@@ -412,7 +400,7 @@ def check_hub(args) -> None:
     cached_only = offline_env() or is_true(os.environ.get("HF_DATASETS_OFFLINE"))  # datasets then reads its cache
     if _hub_id(dataset) and not cached_only:
         try:
-            huggingface_hub.HfApi().dataset_info(dataset, timeout=20)
+            HfApi().dataset_info(dataset, timeout=20)
         except RepositoryNotFoundError:  # data.load_any names it with the offline hint
             pass
         except Exception as err:

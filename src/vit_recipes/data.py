@@ -97,8 +97,7 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
             except datasets.exceptions.DatasetGenerationError as err:
                 raise RecipeError(_unreadable_files(err, path)) from None
             except (FileNotFoundError, ValueError) as err:
-                empty = re.search(r'Instruction "(.+)" corresponds to no data', str(err))
-                if empty:
+                if empty := re.search(r'Instruction "(.+)" corresponds to no data', str(err)):
                     raise RecipeError(f"split '{empty.group(1)}' is empty (in {path})") from None
                 raise RecipeError(f"no dataset found in folder {path}: {first_line(err)}") from None
         return loaded if isinstance(loaded, DatasetDict) else DatasetDict(train=loaded)
@@ -122,13 +121,10 @@ def find_column(features: datasets.Features, requested: str | None, preset: str 
         return requested
     if preset and preset in features:
         return preset
-    typed = datasets.Image if kind == "image" else ClassLabel
-    for name, feature in features.items():
-        if isinstance(feature, typed):
-            return name
-    for name in IMAGE_COLUMNS if kind == "image" else LABEL_COLUMNS:
-        if name in features:
-            return name
+    typed, common = (datasets.Image, IMAGE_COLUMNS) if kind == "image" else (ClassLabel, LABEL_COLUMNS)
+    found = [n for n, feature in features.items() if isinstance(feature, typed)] + [n for n in common if n in features]
+    if found:
+        return found[0]
     raise RecipeError(f"no {kind} column found; columns are: {', '.join(features)}; pass --{kind}_column_name")
 
 
@@ -181,17 +177,15 @@ def encode_labels(
                     )
         if not any(is_type(label_type) for is_type in LABEL_TYPES):
             raise RecipeError(f"label column '{column}' has type {label_type}; labels must be integers or strings")
-        uniques = set()
         for split, array in values.items():
             if array.null_count:
                 raise RecipeError(f"split '{split}' has {array.null_count} rows without a label in '{column}'")
-            uniques.update(pc.unique(array).to_pylist())
-        ordered = sorted(uniques)
+        ordered = sorted({v for array in values.values() for v in pc.unique(array).to_pylist()})
         names, source = [str(v) for v in ordered], "sorted values"
         lookup = {v: i for i, v in enumerate(ordered)}
     if len(names) < 2:
         raise RecipeError(f"label column '{column}' has {len(names)} class(es); classification needs at least 2")
-    if listed or problem_type == MULTI_LABEL:
+    if multi := listed or problem_type == MULTI_LABEL:
 
         def multi_hot(batch):
             hot = np.zeros((len(batch[column]), len(names)), dtype=np.float32)
@@ -211,7 +205,7 @@ def encode_labels(
     if column != LABELS:
         clash = [LABELS] if LABELS in next(iter(encoded.values())).features else []
         encoded = encoded.remove_columns(clash).rename_column(column, LABELS)
-    return encoded, names, source, listed or problem_type == MULTI_LABEL
+    return encoded, names, source, multi
 
 
 def _split(dataset_dict: DatasetDict, requested: str | None, aliases: tuple[str, ...], kind: str) -> str | None:
@@ -237,9 +231,8 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     if not used:
         raise RecipeError(f"no train, validation or test split found; splits are: {', '.join(dataset_dict)}")
     dataset_dict = DatasetDict({n: dataset_dict[n] for n in dict.fromkeys(used)})
-    for name, split in dataset_dict.items():
-        if len(split) == 0:
-            raise RecipeError(f"split '{name}' is empty")
+    if empty := [name for name, split in dataset_dict.items() if len(split) == 0]:
+        raise RecipeError(f"split '{empty[0]}' is empty")
 
     features = next(iter(dataset_dict.values())).features
     image_column = find_column(features, data_args.image_column_name, preset and preset.image_column, "image")
@@ -404,13 +397,11 @@ def storage_format(split: Dataset, image_column: str, image_size: int, storage_s
             f"High-bit-depth images (largest value {peak:g} in {sum(sizes.values())} sampled): every image is scaled "
             f"by 255/{white:g} to 8 bits"
         )
-    if storage_size:
-        return StorageFormat((storage_size, storage_size), white)
-    if sizes:
+    if sizes and not storage_size:
         (width, height), count = sizes.most_common(1)[0]
         if 2 * count > sum(sizes.values()) and max(width, height) <= image_size:
             return StorageFormat((height, width), white, native=True)
-    side = round(image_size / 0.875)
+    side = storage_size or round(image_size / 0.875)
     return StorageFormat((side, side), white)
 
 
@@ -470,14 +461,13 @@ def decode_splits(
 ) -> ImageSplits:
     reference = splits.train or splits.validation or splits.test
     storage = storage_format(reference, splits.image_column, image_size, storage_size)
-    notes, decoded, skipped = list(splits.notes), {}, {}
+    notes, decoded, skipped = list(splits.notes), dict.fromkeys(("train", "validation", "test")), {}
     for name, split in splits.present().items():
         decoded[name], skipped_here = decode_split(split, splits.image_column, storage, num_proc, name, notes)
         if skipped_here:
             skipped[name] = skipped_here
-    train, validation, test = (decoded.get(name) for name in ("train", "validation", "test"))
     stored = dict(image_column=PIXELS, storage_shape=storage.shape, white=storage.white, skipped=skipped, notes=notes)
-    return replace(splits, train=train, validation=validation, test=test, **stored)
+    return replace(splits, **decoded, **stored)
 
 
 def balanced_weights(splits: ImageSplits) -> torch.Tensor:

@@ -55,7 +55,4 @@ def training_flops_per_image(
 def peak_flops(device_name: str, precision: str) -> float | None:
     """Peak FLOP/s of one GPU for the precision ("bf16", "fp16" or "fp32"), None when unknown (e.g. CPU)."""
     kind = "tf32" if precision == "fp32" else "bf16"
-    for name, rates in PEAK_FLOPS.items():
-        if name in device_name:
-            return rates[kind]
-    return None
+    return next((rates[kind] for name, rates in PEAK_FLOPS.items() if name in device_name), None)

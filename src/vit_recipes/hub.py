@@ -58,8 +58,7 @@ def check_push_ready(training_args) -> None:
 def is_network_error(err: BaseException) -> bool:
     """No answer from the Hub: huggingface_hub's offline errors, or its transport's HTTPError (httpx in 1.x, httpx2
     in 2.x; huggingface_hub.errors names it) that carries no response. HfHubHTTPError is an answer (a status)."""
-    types: list[type[BaseException]] = [hf_errors.OfflineModeIsEnabled, hf_errors.LocalEntryNotFoundError]
-    types += [ConnectionError, TimeoutError]
+    types = [hf_errors.OfflineModeIsEnabled, hf_errors.LocalEntryNotFoundError, ConnectionError, TimeoutError]
     with contextlib.suppress(ImportError):  # datasets and older paths still talk through requests
         import requests
 
@@ -98,11 +97,10 @@ def hub_error_message(err: Exception, what: str, local_path: str | None = None, 
     files = f"the run's files are in {local_path}; " if local_path else ""
     if offline and missing:
         builder = LOCAL_BUILDERS.get(missing.rstrip("/"))
+        fix = f"build it with `{builder}`" if builder else "pass the path of an existing folder"
         message = (
             f"no local folder '{missing}' in {os.getcwd()}, and the Hugging Face Hub could not be reached to "
-            f"{what} as a Hub id ({cause}): "
-            + (f"build it with `{builder}`" if builder else "pass the path of an existing folder")
-            + " or check the network"
+            f"{what} as a Hub id ({cause}): {fix} or check the network"
         )
     elif offline:
         message = f"could not reach the Hugging Face Hub to {what}: {cause}; {files}{OFFLINE_HINT}"

@@ -10,6 +10,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+HIGH_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 
 def _file(value):
@@ -17,9 +18,6 @@ def _file(value):
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     return io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value
-
-
-HIGH_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 
 def white_level(peak: float) -> float:
@@ -54,8 +52,7 @@ def decode_to_chw(value, height: int, width: int, white: float | None = None) ->
     resized = image.size != (width, height)
     if resized:  # cover height x width, then centre-crop (bicubic, antialiased)
         image = ImageOps.fit(image, (width, height), Image.Resampling.BICUBIC)
-    array = np.asarray(image, dtype=np.uint8)
-    return np.ascontiguousarray(array.transpose(2, 0, 1)), resized
+    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)), resized
 
 
 def probe(value) -> tuple[tuple[int, int], float | None]:

@@ -56,9 +56,7 @@ class StopOnSignal(TrainerCallback):
         if time.monotonic() - self._first_at < REPEAT_AFTER:
             return
         self._restore()  # a second signal: stop now, as without this handler
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
 
     def on_step_end(self, args, state, control, **kwargs):
         signalled = int(self.signum or 0)

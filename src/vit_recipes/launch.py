@@ -82,10 +82,9 @@ def remove_shm_buffer_at_exit() -> None:
     rank, port = os.environ.get("RANK"), os.environ.get("MASTER_PORT")
     if rank is None or port is None:
         return
-    pattern = f"{SHM_BUFFER_PREFIX}*_{port}_{rank}"
 
     def remove() -> None:
-        for path in glob.glob(pattern):
+        for path in glob.glob(f"{SHM_BUFFER_PREFIX}*_{port}_{rank}"):
             with contextlib.suppress(OSError):  # already gone, or another user's file: nothing to do
                 os.unlink(path)
 

@@ -136,8 +136,7 @@ def is_adapter_dir(path: str | os.PathLike | None) -> bool:
 
 
 def adapter_base(path: str | os.PathLike) -> str:
-    config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
-    base = config.get("base_model_name_or_path")
+    base = json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if not base:
         raise RecipeError(f"the adapter in {path} does not name its base model (base_model_name_or_path)")
     return base
@@ -161,11 +160,10 @@ def apply_lora(model: nn.Module, lora_args: LoraArguments, training_args=None):
     if training_args is not None and getattr(training_args, "gradient_checkpointing", False):
         # Reentrant checkpointing needs an input that requires grad, else "no parameters require grad"; cheap anyway.
         unwrap(peft_model).enable_input_require_grads()
-    detail = (
+    return peft_model, (
         f": adapters on {', '.join(targets)} (r={lora_args.lora_r}, alpha={lora_args.lora_alpha}, "
         f"dropout={lora_args.lora_dropout}) + the head ({', '.join(heads)})"
     )
-    return peft_model, detail
 
 
 def attach_adapter(base: nn.Module, path: str | os.PathLike, is_trainable: bool = False, base_source: str = ""):

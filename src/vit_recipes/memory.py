@@ -109,10 +109,9 @@ def fsdp2_offload_host(params: int, nodes: int) -> float:
 
 def host_memory_for(strategy, params: int, largest: int) -> float:
     """Host bytes per node that the offload of a run's `plan.Strategy` needs (DeepSpeed rows run with DeepSpeed)."""
-    per_node, nodes = strategy.processes_per_node, strategy.nodes
+    per_node, nodes, offload = strategy.processes_per_node, strategy.nodes, strategy.offload_optimizer
     if strategy.fsdp:
         return fsdp2_offload_host(params, nodes)
     if strategy.zero_stage == 3:
-        offload = strategy.offload_optimizer
         return float(zero3_states(params, largest, per_node, nodes, offload, strategy.offload_params)[0])
-    return float(zero2_states(params, per_node, nodes, strategy.offload_optimizer)[0])
+    return float(zero2_states(params, per_node, nodes, offload)[0])

@@ -3,8 +3,7 @@ figures for the run (`metrics`); docs/observability.md lists them.
 
 `SpeedMeter` times the wall clock between optimizer steps and the part the loop spent waiting for data
 (ImageClassificationTrainer.get_batch_samples reports it through `add_data_wait`). Intervals that span evaluation,
-saving, an epoch start or a profiler export are dropped.
-"""
+saving, an epoch start or a profiler export are dropped."""
 
 from __future__ import annotations
 
@@ -99,10 +98,9 @@ class SpeedMeter(TrainerCallback):
             gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, mine)
             per_rank = [t.tolist() for t in gathered]
-        out = {}
-        for rank, values in enumerate(per_rank):
-            out.update({f"{name}_rank{rank}": round(value / GIB, 4) for name, value in zip(names, values)})
-        return out
+        return {
+            f"{n}_rank{rank}": round(v / GIB, 4) for rank, values in enumerate(per_rank) for n, v in zip(names, values)
+        }
 
     def extend_logs(self, logs: dict, args, state) -> dict[str, float]:
         """Figures of the steps since the previous log; called by ImageClassificationTrainer.log on every rank."""

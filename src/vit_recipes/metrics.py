@@ -34,9 +34,8 @@ def make_compute_metrics(
         if metric is None:
             metric = load_metric(multi_label)
         logits = eval_pred.predictions
-        if isinstance(logits, (tuple, list)):  # asked for hidden states or attentions: the logits come first
-            logits = logits[0]
-        logits = np.asarray(logits)
+        # asked for hidden states or attentions: the logits come first
+        logits = np.asarray(logits[0] if isinstance(logits, (tuple, list)) else logits)
         if multi_label:
             return metric.compute(predictions=logits, references=eval_pred.label_ids, threshold=threshold)
         scores = metric.compute(predictions=logits, references=np.asarray(eval_pred.label_ids).reshape(-1))

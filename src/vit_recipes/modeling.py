@@ -3,13 +3,12 @@ put back on its base) and the image processor saved with it."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
 import os
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -95,8 +94,7 @@ def build_model(model_args, label_names: list[str]):
             if is_deepspeed_zero3_enabled():  # ZeRO-3 ignores ignore_mismatched_sizes: leave the old head out
                 state_dict = zero3_state_dict_for_new_head(source, config, revision, cache_dir)
                 if state_dict is not None:  # transformers takes a state_dict instead of a name, not with one
-                    model_class = classifier_class(config)
-                    loader, name, kwargs["state_dict"] = model_class.from_pretrained, None, state_dict
+                    loader, name, kwargs["state_dict"] = classifier_class(config).from_pretrained, None, state_dict
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # transformers' load report (mismatched/new head weights): logged above
         try:
@@ -164,11 +162,8 @@ def processor_image_size(model_args) -> int | None:
         return None
     if getattr(processor, "data_config", None):  # timm's TimmWrapperImageProcessor: (3, height, width)
         return processor.data_config["input_size"][-1]
-    for key in ("crop_size", "size"):
-        size = getattr(processor, key, None)
-        if key == "crop_size" and not getattr(processor, "do_center_crop", False):
-            continue
-        size = dict(size) if size else {}
+    for key in ("crop_size", "size") if getattr(processor, "do_center_crop", False) else ("size",):
+        size = dict(getattr(processor, key, None) or {})
         value = size.get("height") or size.get("shortest_edge")
         if isinstance(value, int) and value > 0:
             return value
@@ -209,8 +204,7 @@ def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, tra
     sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
     total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
     percent = round(100 * trainable / max(total, 1), 4)
-    counts = {"train_trainable_params": trainable, "train_total_params": total, "train_trainable_percent": percent}
-    setup.metrics = counts
+    setup.metrics = dict(train_trainable_params=trainable, train_total_params=total, train_trainable_percent=percent)
     if setup.method == "lora":
         config = model.peft_config["default"]
         targets = config.target_modules
@@ -231,13 +225,12 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
     method = lora_args.method
     model, image_size = build_model(model_args, label_names)
     setup = FinetuneSetup(method, lora_args.merge_adapter, None, list(label_names), {})
+    detail = ""
     if method == "lora":
         setup.signature, setup.base_args = base_signature(model), model_args
         model, detail = apply_lora(model, lora_args, training_args)
     elif method == "head":
         detail = f": the head ({', '.join(freeze_backbone(model))}) on a frozen backbone"
-    else:
-        detail = ""
     what = {"full": "Full fine-tuning", "lora": "LoRA", "head": "Head only"}[method]
     return _finish(model, image_size, setup, what, detail, training_args)
 
@@ -256,7 +249,7 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
             f"the adapter in {path} classifies into {len(saved)} labels ({shown}), this dataset has "
             f"{len(label_names)}: evaluate it on the dataset it was trained on"
         )
-    base_args = dataclasses.replace(model_args, model_name_or_path=adapter_base(path))
+    base_args = replace(model_args, model_name_or_path=adapter_base(path))
     model, image_size = build_model(base_args, label_names)
     trainable = bool(getattr(training_args, "do_train", False))
     model = attach_adapter(model, path, is_trainable=trainable, base_source=base_args.model_name_or_path)

@@ -65,10 +65,8 @@ class ProfilerCallback(TrainerCallback):
             logger.warning(
                 "Training ended inside profile_steps %d-%d: writing the steps recorded.", self.first, self.last
             )
-        if self.profiler is not None:
-            self.profiler.stop()  # in a recording window this exports (on_trace_ready)
-            self.profiler = None
-        self.done = True
+        self.profiler.stop()  # in a recording window this exports (on_trace_ready); every caller holds a profiler
+        self.profiler, self.done = None, True
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.profiler is None and not self.done:

@@ -18,9 +18,8 @@ logger = logging.getLogger(__name__)
 def token_embeddings(model: nn.Module) -> tuple[nn.Module, int]:
     """The module whose output is [prefix tokens, patch tokens] + positions, and how many prefix tokens it has."""
     for module in model.modules():
-        if type(module).__name__.endswith("Embeddings") and isinstance(
-            getattr(module, "cls_token", None), nn.Parameter
-        ):
+        cls_token = getattr(module, "cls_token", None)
+        if type(module).__name__.endswith("Embeddings") and isinstance(cls_token, nn.Parameter):
             return module, 1 + isinstance(getattr(module, "distillation_token", None), nn.Parameter)  # DeiT: 2
     timm = ' (timm ViTs drop patches themselves: "patch_drop_rate" in the model_args of its config.json)'
     raise RecipeError(
@@ -47,10 +46,6 @@ def add_patch_dropout(model: nn.Module, rate: float) -> int:
     )
     patches = (size // patch) ** 2
     keep = max(1, round(patches * (1 - rate)))
-
-    def hook(module, args, output):
-        return keep_patches(output, prefix, keep) if module.training else output
-
-    embeddings.register_forward_hook(hook)
+    embeddings.register_forward_hook(lambda m, args, out: keep_patches(out, prefix, keep) if m.training else out)
     logger.warning(f"--patch_dropout {rate:g}: training images keep {keep} of {patches} patches; evaluation sees all")
     return keep

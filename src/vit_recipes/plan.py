@@ -28,15 +28,13 @@ def load_deepspeed_config(value) -> tuple[dict, str]:
     if isinstance(value, dict):
         return value, "the DeepSpeed config"
     text = str(value)
-    path = Path(text)
     try:
-        if path.is_file():
-            return json.loads(path.read_text()), str(value)
-        if text.lstrip().startswith("{"):
-            return json.loads(text), "the DeepSpeed config"
-        if text.endswith(".json"):
+        if (path := Path(text)).is_file():
+            return json.loads(path.read_text()), text
+        inline = text.lstrip().startswith("{")
+        if text.endswith(".json") and not inline:
             raise RecipeError(f"DeepSpeed config file not found: {text} (paths are relative to where you launch)")
-        return json.loads(base64.urlsafe_b64decode(text).decode()), "the DeepSpeed config"
+        return json.loads(text if inline else base64.urlsafe_b64decode(text).decode()), "the DeepSpeed config"
     except (ValueError, UnicodeDecodeError) as err:
         raise RecipeError(f"{text} is not valid DeepSpeed JSON: {first_line(err)}") from None
 
@@ -99,18 +97,18 @@ def read_strategy(training_args) -> Strategy:
     fsdp_config = getattr(training_args, "fsdp_config", None) or {}
     fsdp_args = bool(getattr(training_args, "fsdp", None))
     fsdp_env = is_true(env.get("ACCELERATE_USE_FSDP"))
-    from_accelerate = from_accelerate or (fsdp_env and not fsdp_args)
     fsdp = fsdp_args or fsdp_env
-    offload_optimizer = offload_params = fsdp and (
-        is_true(fsdp_config.get("cpu_offload", False)) or (fsdp_env and is_true(env.get("FSDP_OFFLOAD_PARAMS")))
-    )
+
+    def fsdp_option(key: str, env_key: str) -> bool:  # set in the arguments' fsdp_config, or by accelerate launch
+        return fsdp and (is_true(fsdp_config.get(key, False)) or (fsdp_env and is_true(env.get(env_key))))
+
+    offload_optimizer = offload_params = fsdp_option("cpu_offload", "FSDP_OFFLOAD_PARAMS")
     if deepspeed is not None:
         offload_optimizer, offload_params = (
             str(config_value(deepspeed, f"zero_optimization.{key}.device") or "none").lower() in ("cpu", "nvme")
             for key in ("offload_optimizer", "offload_param")
         )
-    wrap = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") if fsdp_env else None
-    wrap = wrap or fsdp_config.get("transformer_layer_cls_to_wrap")
+    wrap = (fsdp_env and env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")) or fsdp_config.get("transformer_layer_cls_to_wrap")
     if isinstance(wrap, str):
         wrap = wrap.split(",")
     try:
@@ -126,14 +124,10 @@ def read_strategy(training_args) -> Strategy:
         processes_per_node=env_int("LOCAL_WORLD_SIZE", default=world),
         deepspeed_config=deepspeed,
         deepspeed_source=source,
-        from_accelerate=from_accelerate,
+        from_accelerate=from_accelerate or (fsdp_env and not fsdp_args),
         fsdp=fsdp,
-        fsdp_activation_checkpointing=fsdp
-        and (
-            is_true(fsdp_config.get("activation_checkpointing", False))
-            or (fsdp_env and is_true(env.get("FSDP_ACTIVATION_CHECKPOINTING")))
-            or bool(getattr(training_args, "gradient_checkpointing", False))
-        ),
+        fsdp_activation_checkpointing=fsdp_option("activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING")
+        or (fsdp and bool(getattr(training_args, "gradient_checkpointing", False))),
         fsdp_wrap=tuple(n.strip() for n in wrap if n.strip()) if wrap else None,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
@@ -141,7 +135,6 @@ def read_strategy(training_args) -> Strategy:
 
 
 def device_kind(training_args) -> str:
-    """ "cuda", "mps", "xpu" or "cpu": where this run trains (asked for, or the accelerator there is)."""
     import torch
 
     if training_args.use_cpu or is_true(os.environ.get("ACCELERATE_USE_CPU")):
@@ -156,7 +149,6 @@ def device_kind(training_args) -> str:
 
 
 def precision_of(training_args) -> str:
-    """ "bf16", "fp16" or "fp32": the flags, else the mixed precision accelerate was launched with."""
     if training_args.fp16:
         return "fp16"
     if training_args.bf16:
@@ -254,17 +246,14 @@ def decide_compile(plan: RunPlan, args: RunArguments, train_images: int) -> None
         return
     compile_regions(t)
     eager_if_compile_fails()
-    logger.warning(
-        "Regional compilation on: %s steps repay it (--torch_compile_regions false trains eagerly)", f"{steps:,}"
-    )
+    logger.warning(f"Regional compilation on: {steps:,} steps repay it (--torch_compile_regions false trains eagerly)")
 
 
 def configure(plan: RunPlan, args: RunArguments) -> None:
     """Apply what the plan decided to the settings accelerate, the Trainer and DeepSpeed read later."""
     t, strategy = args.training, plan.strategy
-    if t.process_index == 0:  # before anything is removed or written there
+    if t.process_index == 0:  # locked before anything is removed or written there
         lock_output_dir(t.output_dir)
-    if plan.output.stale_checkpoints and t.process_index == 0:
         remove_checkpoints(plan.output.stale_checkpoints)  # a new run must never resume the old run's state
     if plan.device == "cpu":  # no accelerator to pin memory for (torch warns at every DataLoader otherwise)
         t.dataloader_pin_memory = False
@@ -292,11 +281,8 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
     saved = plan.resume_from and strategy.deepspeed and deepspeed_checkpoint_world_size(plan.resume_from)
     if saved and saved != strategy.world_size:
         logger.warning(
-            "%s was written by %d DeepSpeed processes and this run has %d: resuming it through DeepSpeed's universal "
-            "checkpoint, converted once into that folder",
-            plan.resume_from,
-            saved,
-            strategy.world_size,
+            f"{plan.resume_from} was written by {saved} DeepSpeed processes and this run has {strategy.world_size}: "
+            "resuming it through DeepSpeed's universal checkpoint, converted once into that folder"
         )
         with t.main_process_first(local=False, desc="the universal checkpoint"):
             if t.process_index == 0:

@@ -26,6 +26,7 @@ TRAINER_STATE = "trainer_state.json"
 LOSS_RECORD = "train_loss.json"
 WRITE_PROBE = ".write-probe-"  # rank 0's writability check (checks.py): another rank must not read it as a run
 LOCK_FILE = ".run.lock"  # held by the run writing into the folder (lock_output_dir)
+_ELSEWHERE = "choose another --output_dir or pass --overwrite_output_dir"  # the way out of two refusals
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
     saved_file = out / RUN_FILE
     if not saved_file.is_file():
         return OutputState(
-            "refuse",
-            refusal=f"output_dir {out} is not empty and holds no run of this script; choose another --output_dir "
-            "or pass --overwrite_output_dir",
+            "refuse", refusal=f"output_dir {out} is not empty and holds no run of this script; {_ELSEWHERE}"
         )
     found = checkpoints(out)
     complete = next((c for c in found if (c / CHECKPOINT_RECORD).is_file()), None)
@@ -112,18 +111,14 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
         return OutputState(
             "refuse",
             candidate,
-            refusal=f"output_dir {out} holds a different run ({changed[0]}); choose another --output_dir or pass "
-            "--overwrite_output_dir"
+            refusal=f"output_dir {out} holds a different run ({changed[0]}); {_ELSEWHERE}"
             + (f", or resume its {complete.name} anyway with --resume_from_checkpoint {complete}" if complete else ""),
         )
     # Finished: its results and model card are written (the card last; killed before it, the run resumes) and this
     # command asks for no more steps or epochs. Resuming its final checkpoint would train nothing and rewrite both,
     # losing the training time and throughput they hold.
-    if (
-        (out / "all_results.json").is_file()
-        and ((out / "README.md").is_file() or not complete)
-        and not (complete and _asks_for_more(training_args, complete))
-    ):
+    finished = (out / "all_results.json").is_file() and (not complete or (out / "README.md").is_file())
+    if finished and not (complete and _asks_for_more(training_args, complete)):
         return OutputState(
             "refuse",
             refusal=f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to train "
@@ -156,17 +151,16 @@ def lock_output_dir(output_dir: str | os.PathLike) -> None:
     if str(folder.resolve()) in _HELD_LOCKS:  # this process's own earlier run (runs of main() in one process)
         return
     handle = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held until the process ends)
+    handle.seek(0)  # "a+" starts at the end: the holder's line is read, or replaced, from the start
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
         raise RecipeError(
             f"output_dir {folder} is in use by another run ({holder}): wait for it to end, or choose another "
             "--output_dir"
         ) from None
-    handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()

@@ -1,5 +1,4 @@
-"""The steps of run_image_classification.py that take more than one call: logging, building the Trainer, training,
-evaluating, and what a run writes next to its model (labels, reports, predictions, card, summary)."""
+"""The steps of run_image_classification.py that take more than one call, and what a run writes next to its model."""
 
 from __future__ import annotations
 
@@ -182,16 +181,13 @@ def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
     for name, split in (("eval", splits.validation), ("test", splits.test)):
         if split is None:
             continue
-        if name == "eval" and splits.test is not None and (metrics := evaluated_at_the_end(trainer)):
-            trainer.log_metrics(name, metrics)  # the reports come from test: no second pass over validation
-            trainer.save_metrics(name, metrics)
-            results.update(metrics)
-            continue
-        output = trainer.predict(split, metric_key_prefix=name)
-        trainer.log_metrics(name, output.metrics)
-        trainer.save_metrics(name, output.metrics)
-        results.update(output.metrics)
-        last = ("test" if name == "test" else "validation", output)
+        metrics = evaluated_at_the_end(trainer) if name == "eval" and splits.test is not None else None
+        if not metrics:  # else the reports come from test: no second pass over validation
+            output = trainer.predict(split, metric_key_prefix=name)
+            metrics, last = output.metrics, ("test" if name == "test" else "validation", output)
+        trainer.log_metrics(name, metrics)
+        trainer.save_metrics(name, metrics)
+        results.update(metrics)
     return results, last
 
 
@@ -236,24 +232,20 @@ def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> 
     logits = logits[0] if isinstance(logits, tuple) else logits
     if not trainer.is_world_process_zero():
         return
+    if splits.multi_label:
+        header, scores = ("labels", "scores"), 1 / (1 + np.exp(-logits.astype(np.float64)))
+        threshold = data_args.multi_label_threshold
+        chosen = [[i for i in np.argsort(-row, kind="stable") if row[i] >= threshold] for row in scores]
+    else:
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        header, scores = ("label", "score"), shifted / shifted.sum(axis=1, keepdims=True)
+        chosen = [[int(row.argmax())] for row in scores]
     path, names = os.path.join(trainer.args.output_dir, "predictions.csv"), splits.label_names
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        if splits.multi_label:
-            writer.writerow(["file", "labels", "scores", "problem"])
-            scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
-            for file, row in zip(decoded["file"], scores):
-                chosen = [i for i in np.argsort(-row, kind="stable") if row[i] >= data_args.multi_label_threshold]
-                chosen_names, chosen_scores = (
-                    ";".join(names[i] for i in chosen),
-                    ";".join(f"{row[i]:.6f}" for i in chosen),
-                )
-                writer.writerow([file, chosen_names, chosen_scores, ""])
-        else:
-            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-            writer.writerow(["file", "label", "score", "problem"])
-            for file, row in zip(decoded["file"], shifted / shifted.sum(axis=1, keepdims=True)):
-                writer.writerow([file, names[int(row.argmax())], f"{row.max():.6f}", ""])
+        writer.writerow(["file", *header, "problem"])
+        for file, row, best in zip(decoded["file"], scores, chosen):
+            writer.writerow([file, ";".join(names[i] for i in best), ";".join(f"{row[i]:.6f}" for i in best), ""])
         for item in skipped:  # missing or unreadable files stay visible in the output
             writer.writerow([images[item["row"]]["file"], "", "", item["problem"]])
     logger.info("Wrote %d predictions to %s", len(decoded) + len(skipped), path)

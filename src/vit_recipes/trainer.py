@@ -84,9 +84,8 @@ class ImageClassificationTrainer(Trainer):
         # Which transform a batch gets: set by training_step / prediction_step, not read off self.model.training:
         # regional compilation trains a copy of the top module and self.model stays in eval mode.
         self._training_batch = False
-        # The Trainer's NaN/inf loss filter reads every step's loss on the host (`torch.isnan(loss) or ...`): a GPU
-        # synchronisation that idles the GPU while the host prepares the next step. train() turns that check off and
-        # training_step applies the same rule on the device (the user's setting, kept here, is restored after).
+        # The Trainer's NaN/inf loss filter reads each step's loss on the host, a GPU sync that idles the GPU while
+        # the host prepares the next step: train() turns it off, training_step applies its rule on the device.
         self.filter_nan_inf = self.args.logging_nan_inf_filter
         # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
         self.model_accepts_loss_kwargs = False
@@ -114,9 +113,8 @@ class ImageClassificationTrainer(Trainer):
             loader = super()._get_dataloader(*args, is_training=is_training, **kwargs)
         finally:
             self.args.dataloader_drop_last = drop_last
-        base = getattr(
-            loader, "base_dataloader", loader
-        )  # accelerate's DataLoaderShard iterates a DataLoader it holds
+        # accelerate's DataLoaderShard iterates a DataLoader it holds
+        base = getattr(loader, "base_dataloader", loader)
         if base.num_workers > 0:  # read when the workers start, each time the loader is iterated
             base.worker_init_fn = functools.partial(worker_ignores_stop_signals, base.worker_init_fn)
         return loader
@@ -136,8 +134,7 @@ class ImageClassificationTrainer(Trainer):
             ds_config.setdefault("checkpoint", {})["load_universal"] = universal
         if self.ema is not None and resume_from_checkpoint:
             self.ema.load(resume_from_checkpoint, self.model)
-        self.filter_nan_inf = self.args.logging_nan_inf_filter
-        self.args.logging_nan_inf_filter = False  # applied on the device by training_step
+        self.filter_nan_inf, self.args.logging_nan_inf_filter = self.args.logging_nan_inf_filter, False
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next

@@ -73,9 +73,7 @@ def affine_grid(theta: Tensor, size: int) -> Tensor:
     coords = (torch.arange(size, device=theta.device, dtype=theta.dtype) * 2 + 1) / size - 1  # pixel centres
     xs, ys = coords.view(1, 1, size), coords.view(1, size, 1)
     t = theta.view(-1, 6, 1, 1).unbind(1)
-    gx = t[0] * xs + t[1] * ys + t[2]
-    gy = t[3] * xs + t[4] * ys + t[5]
-    return torch.stack([gx, gy], dim=-1)
+    return torch.stack([t[0] * xs + t[1] * ys + t[2], t[3] * xs + t[4] * ys + t[5]], dim=-1)
 
 
 def resample(x: Tensor, theta: Tensor, size: int, padding_mode: str) -> Tensor:
@@ -259,8 +257,7 @@ def random_erase(x: Tensor, prob: float, attempts: int = 10) -> Tensor:
 
 
 class TrainTransform(_Normalized):
-    """uint8 (B, 3, H, W) -> float32 (B, 3, S, S): random-resized crop + flip, optional RandAugment, normalise,
-    optional random erasing."""
+    """Random-resized crop + flip, optional RandAugment, normalise, optional random erasing (uint8 in, float32 out)."""
 
     def __init__(self, image_size: int, mean, std, crop_scale_min=0.08, hflip_prob=0.5, auto_augment="none",
                  randaugment_num_ops=2, randaugment_magnitude=9, random_erasing=0.0):  # fmt: skip
@@ -331,12 +328,9 @@ class MixupCutmix:
             pixels, lam = cutmix(pixels, lam)
         else:
             pixels = lam * pixels + (1 - lam) * pixels.flip(0)
-        return pixels, self.targets(labels, lam)
-
-    def targets(self, labels: Tensor, lam: float) -> Tensor:
         hot = labels if labels.ndim == 2 else F.one_hot(labels.long(), self.num_classes)
         soft = smooth_targets(hot, self.label_smoothing)
-        return lam * soft + (1 - lam) * soft.flip(0)
+        return pixels, lam * soft + (1 - lam) * soft.flip(0)
 
 
 def smooth_targets(hot: Tensor, smoothing: float) -> Tensor:
