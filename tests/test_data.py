@@ -101,6 +101,16 @@ def test_cifar_like_parquet_folder(cifar_like):
     assert max(Counter(loaded.validation["labels"]).values()) == 1
 
 
+def test_the_carved_validation_is_datasets_own_stratified_split():
+    """The carve reads the labels as one array but keeps datasets' sampler: the same images as its
+    train_test_split(stratify_by_column=...), in the same order."""
+    labels = np.random.default_rng(0).integers(0, 7, 300)
+    train = Dataset.from_dict({"labels": labels, "i": np.arange(300)}).cast_column("labels", ClassLabel(num_classes=7))
+    kept, held_out = data_module.carve_validation(train, 0.2, 7, seed=5, notes=[])
+    reference = train.train_test_split(test_size=60, seed=5, stratify_by_column="labels")
+    assert kept["i"][:] == reference["train"]["i"][:] and held_out["i"][:] == reference["test"]["i"][:]
+
+
 def test_evaluation_only_carves_the_same_validation(cifar_like):
     trained = load_splits(data_args(cifar_like))
     evaluated = load_splits(data_args(cifar_like), need_train=False)
