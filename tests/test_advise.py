@@ -7,10 +7,11 @@ import pytest
 from conftest import ROOT
 from transformers import ViTConfig
 
+from vit_recipes.memory import activation_bytes, estimate, model_shape, recommend
+
 _spec = importlib.util.spec_from_file_location("advise", ROOT / "tools" / "advise.py")
 advise = sys.modules["advise"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
 _spec.loader.exec_module(advise)
-activation_bytes, estimate, model_shape = advise.activation_bytes, advise.estimate, advise.model_shape
 
 # hidden 64, 2 layers, 4 heads, MLP 256, 32 px in 8 px patches (16 patches + CLS = 17 tokens), 10 classes
 CONFIG = dict(
@@ -95,12 +96,12 @@ def test_fits_and_recommendation(shape):
     assert ddp.fits(ddp.total) == "yes"
     assert ddp.fits(ddp.total - 1) == "with ckpt"
     assert ddp.fits(ddp.total_ckpt - 1) == "no"
-    pick, ckpt = advise.recommend(estimates, ddp.total)
+    pick, ckpt = recommend(estimates, ddp.total)
     assert pick.strategy.name == "ddp" and not ckpt
     zero2 = by_key["zero2"]
-    pick, ckpt = advise.recommend(estimates, zero2.total)  # DDP no longer fits, ZeRO-1 neither: ZeRO-2 does
+    pick, ckpt = recommend(estimates, zero2.total)  # DDP no longer fits, ZeRO-1 neither: ZeRO-2 does
     assert pick.strategy.name == "zero2" and not ckpt
-    assert advise.recommend(estimates, 1) is None
+    assert recommend(estimates, 1) is None
 
 
 def test_cli_with_a_local_config(tmp_path, capsys):

@@ -196,3 +196,60 @@ def test_compiled_runs_drop_short_batches_in_training_only(cifar_like, tiny_vit,
                          "64", "--torch_compile_regions", "true", "--torch_compile_backend", "aot_eager"))  # fmt: skip
     with open(out / "per_class_accuracy_test.csv") as f:
         assert sum(int(row["support"]) for row in csv.DictReader(f)) == 100
+
+
+def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_strategy_is_named(
+    tmp_path, monkeypatch, caplog
+):
+    """On a GPU, --gradient_checkpointing unset turns on only where the estimate (tools/advise.py's) says the batch
+    does not fit without it; asked for or refused, it is left alone. A sharded strategy where one that communicates
+    less fits says so in one line."""
+    import torch
+
+    from vit_recipes.memory import estimate, model_shape
+    from vit_recipes.plan import FITS_WITHIN, advise_memory
+
+    tiny = "image_size=32,patch_size=8,hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=256"
+    gpu = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=gpu["bytes"])
+    )
+
+    def advised(name, memory, *extra):
+        args = parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path / "o"), "--use_cpu", "true",
+                           "--model_name_or_path", "", "--config_name", "vit", "--config_overrides", tiny,
+                           "--per_device_train_batch_size", "64", *extra])  # fmt: skip
+        strategy = read_strategy(args.training)
+        if name != "single":
+            strategy = dataclasses.replace(
+                strategy, spec=strategies.BY_NAME[name], world_size=2, processes_per_node=2, fsdp=name == "fsdp2"
+            )
+        gpu["bytes"] = memory
+        caplog.clear()
+        caplog.set_level("INFO", logger="vit_recipes.plan")
+        strategy = advise_memory(args, strategy, "bf16")
+        return args.training.gradient_checkpointing, [r.getMessage() for r in caplog.records], strategy
+
+    from transformers import ViTConfig
+
+    config = ViTConfig(**{k: int(v) for k, v in (kv.split("=") for kv in tiny.split(","))})
+    rows = {e.strategy.name: e for e in estimate(model_shape(config), 2, 64)}
+    ddp, zero3 = rows["ddp"], rows["zero3"]
+    between = (ddp.total_ckpt + ddp.total) / 2 / FITS_WITHIN  # fits with checkpointing only
+    on, lines, _ = advised("single", between)
+    assert on is True and len(lines) == 1 and lines[0].startswith("Gradient checkpointing on: batch 64 needs about")
+    assert "--gradient_checkpointing false overrides" in lines[0]
+    off, lines, _ = advised("single", 2 * ddp.total / FITS_WITHIN)
+    assert off is False and lines[0].startswith("Gradient checkpointing off") and len(lines) == 1
+    assert advised("single", between, "--gradient_checkpointing", "false")[:2] == (False, [])  # asked: left alone
+    assert advised("single", 10 * ddp.total, "--gradient_checkpointing", "true")[:2] == (True, [])
+    # ZeRO-3 where DDP fits (without checkpointing): one line naming DDP's config
+    off, lines, _ = advised("zero3", 2 * ddp.total / FITS_WITHIN)
+    assert off is False and "DDP, which communicates less, fits these GPUs too" in lines[-1]
+    assert "accelerate_configs/ddp.yaml" in lines[-1] and len(lines) == 2
+    # FSDP2 that needs checkpointing where nothing lighter fits: FSDP's own checkpointing on, no strategy line
+    tight = (rows["fsdp2"].total_ckpt + min(rows["zero2"].total_ckpt, zero3.total)) / 2 / FITS_WITHIN
+    on, lines, strategy = advised("fsdp2", tight)
+    assert on is True and strategy.fsdp_activation_checkpointing
+    assert len(lines) == 1 and lines[0].startswith("Gradient checkpointing on")

@@ -291,6 +291,14 @@ class RecipeTrainingArguments(TrainingArguments):
         "from pinned memory without a host synchronisation per step (off on CPUs).",
         default_factory=lambda: {"non_blocking": True},
     )
+    gradient_checkpointing: bool | None = _arg(
+        None,
+        "Recompute each layer's activations in the backward pass: far less GPU memory for about a third more compute. "
+        "Unset: on only where the memory estimate (tools/advise.py) says the batch does not fit the GPU without it, "
+        "in one line either way; off on CPUs.",
+    )
+    # gradient_checkpointing was left unset: the plan decides it from the memory estimate (not a flag: init=False)
+    checkpointing_by_memory: bool = field(default=False, init=False, repr=False)
     gradient_checkpointing_kwargs: dict | str | None = _arg(
         help_text="Non-reentrant by default: works with frozen inputs (LoRA) and every strategy.",
         default_factory=lambda: {"use_reentrant": False},
@@ -333,6 +341,8 @@ class RecipeTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        asked = (self.gradient_checkpointing, getattr(self, "activation_checkpointing", None))  # the new name: 5.2x
+        self.checkpointing_by_memory = asked == (None, None)
         # The `activation_checkpointing*` names, where they exist (5.2x): the old ones print a FutureWarning every run
         # there. TrainingArguments' __post_init__ mirrors the values back.
         for old in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):
@@ -350,6 +360,8 @@ class RecipeTrainingArguments(TrainingArguments):
             # evaluating during training: a run that only predicts evaluates nothing it was not asked to.
             self.eval_strategy = "no"
         super().__post_init__()
+        if self.gradient_checkpointing is None:  # transformers before 5.2x keeps None: a bool until the plan decides
+            self.gradient_checkpointing = False
         align_matmul_precision()
 
 

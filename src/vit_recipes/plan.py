@@ -8,7 +8,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from .checks import check_plan, config_value, deepspeed_checkpoint_world_size
 from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
 from .lora import is_adapter_dir
+from .memory import PREFERENCE, config_from_args, estimate, gib, model_shape
 from .run_dir import OutputState, lock_output_dir, remove_checkpoints, resolve_output_dir, to_universal
 
 logger = logging.getLogger(__name__)
@@ -177,12 +178,19 @@ def build_plan(args: RunArguments) -> RunPlan:
     """Derive the plan from parsed arguments and refuse, in one line, anything that could only fail later."""
     t = args.training
     strategy = read_strategy(t)
+    precision, device = precision_of(t), device_kind(t)
+    if device == "cuda":
+        strategy = advise_memory(args, strategy, precision)
+    elif t.checkpointing_by_memory:
+        logger.info(
+            "Gradient checkpointing off (no GPU memory to estimate; --gradient_checkpointing true turns it on)"
+        )
     global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * strategy.world_size
     # What makes a checkpoint this run's: a checkpoint written under other settings is refused on auto-resume.
     # One process and DDP write the same checkpoints (whole model and optimizer), so either resumes the other.
     kind = "ddp or single" if strategy.name in ("ddp", "single") else strategy.name
     identity = {**run_config(args), "strategy": kind, "global_batch": global_batch, "recipe": args.recipe}
-    plan = RunPlan(strategy, precision_of(t), device_kind(t), global_batch, resolve_output_dir(t, identity), identity)
+    plan = RunPlan(strategy, precision, device, global_batch, resolve_output_dir(t, identity), identity)
     check_plan(plan, args)
     spec, resumed = strategy.spec, f" from {plan.resume_from}" if plan.resume_from else ""
     logger.info(
@@ -190,6 +198,55 @@ def build_plan(args: RunArguments) -> RunPlan:
         f"{plan.device}, global batch {global_batch}, output dir {plan.output.state}{resumed}"
     )
     return plan
+
+
+# The estimate ran up to 10% under measured eager peaks (the device transforms and allocator slack are not in it): a
+# batch counts as fitting within this share of the GPU's memory.
+FITS_WITHIN = 0.85
+
+
+def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Strategy:
+    """From the per-GPU memory estimate (memory.estimate, tools/advise.py's table): gradient checkpointing, where the
+    command leaves it unset, on only when the batch does not fit this GPU without it; and one line when a strategy
+    that communicates less than the launched one fits too. One line each; the strategy, with FSDP's checkpointing."""
+    import torch
+
+    t, batch = args.training, args.training.per_device_train_batch_size
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    budget, world = FITS_WITHIN * gpu, strategy.world_size
+    try:  # full fine-tuning's states: an upper bound for LoRA and head-only runs
+        shape = model_shape(config_from_args(args.model)[0])
+        by_name = {e.strategy.name: e for e in estimate(shape, world, batch, strategy.nodes, precision)}
+    except (RecipeError, OSError, ValueError, AttributeError, KeyError) as err:  # not ViT-shaped, or not readable yet
+        if t.checkpointing_by_memory:
+            logger.info("Gradient checkpointing off: no memory estimate for this model (%s)", first_line(err, 160))
+        return strategy
+    mine = by_name["ddp" if strategy.name == "single" else strategy.name]  # one process holds what a DDP rank holds
+    if t.checkpointing_by_memory:
+        on = mine.total > budget
+        t.gradient_checkpointing = on
+        if hasattr(t, "activation_checkpointing"):  # the new name (transformers 5.2x)
+            t.activation_checkpointing = on
+        (logger.warning if on else logger.info)(  # on changes the run (slower steps); off is what it would be
+            f"Gradient checkpointing {'on' if on else 'off'}: batch {batch} needs about {gib(mine.total)} GiB per GPU "
+            f"without it ({strategy.spec.label}), {'over' if on else 'within'} {FITS_WITHIN:.0%} of this GPU's "
+            f"{gib(gpu)} GiB{f'; {gib(mine.total_ckpt)} GiB with it' if on else ''}; --gradient_checkpointing "
+            f"{'false' if on else 'true'} overrides"
+        )
+        if on and strategy.fsdp:
+            strategy = replace(strategy, fsdp_activation_checkpointing=True)
+    if strategy.name not in PREFERENCE:  # one process: nothing to communicate
+        return strategy
+    need = "total_ckpt" if t.gradient_checkpointing else "total"
+    lighter = (by_name[n] for n in PREFERENCE[: PREFERENCE.index(strategy.name)])
+    if fitting := next((e for e in lighter if getattr(e, need) <= budget), None):
+        logger.warning(
+            f"{strategy.spec.label} shards what fits whole: {fitting.strategy.label}, which communicates less, fits "
+            f"these GPUs too (about {gib(getattr(fitting, need))} of {gib(gpu)} GiB per GPU at batch {batch}) and is "
+            f"usually faster: launch with {fitting.strategy.accelerate_config} (docs/distributed.md, 'Which "
+            "strategy', has measured speeds)"
+        )
+    return strategy
 
 
 def eager_if_compile_fails() -> None:
