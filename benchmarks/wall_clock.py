@@ -127,6 +127,25 @@ def execute(run: Run, assets: Path, work: Path, timeout: float) -> None:
     print(f"[wall_clock] {run.name}: exit {run.exit}, {run.wall_s} s", flush=True)
 
 
+def byte_compile(work: Path) -> str:
+    """Compile every library's .py to .pyc once (compileall, as pip does at install), in place where the folder is
+    writable, else under WORK/pycache (PYTHONPYCACHEPREFIX, inherited by the runs); say what it did."""
+    import site
+    import sysconfig
+
+    folders = [site.getsitepackages()[0], sysconfig.get_paths()["stdlib"]]
+    folders += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).is_dir()]
+    folders = list(dict.fromkeys(str(Path(f).resolve()) for f in folders))
+    if not all(os.access(f, os.W_OK) for f in folders):
+        os.environ["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    start = time.time()
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *folders], check=False)
+    where = os.environ.get("PYTHONPYCACHEPREFIX", "in place")
+    said = f"compileall of {', '.join(folders)} ({where}): {time.time() - start:.0f} s, before the runs"
+    print(f"[wall_clock] {said}", flush=True)
+    return said
+
+
 # --------------------------------------------------------------------------------------------------- record
 def ratio(run: dict, runs: list[dict]) -> str:
     peer = next((r for r in runs if r["job"] == run["job"] and r["who"] == "peer" and r["workers"] == 16), None)
@@ -145,17 +164,18 @@ def write_markdown(record: dict, out: Path) -> None:
              + ", ".join(f"{k} {v}" for k, v in record["versions"].items() if v), "",
              "Wall clock: process start to exit, measured outside the process. x peer: over the 16-worker peer's wall "
              "clock for the same job. Phases (seconds) from each run's all_results.json; first step: process start to "
-             "the first optimizer step's end; warm-up: the first 5 steps (compilation lands there).", "",
+             "the first optimizer step's end; warm-up: the first 5 steps (compilation lands there)."
+             + (f" Byte-compiled first: {record['bytecode']}." if record.get("bytecode") else ""), "",
              "![Where each job's wall clock goes](wall_clock.png)", "",
              "| job | run | exit | wall s | x peer (16 workers) | first step s | warm-up s | steady img/s | "
-             + " | ".join(PHASES) + " | eval accuracy |",
-             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|"]  # fmt: skip
+             + " | ".join(PHASES) + " | imports (in startup) | eval accuracy |",
+             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|"]  # fmt: skip
     for run in runs:
         m = run["metrics"]
         cells = [run["job"], f"`{run['name']}`", str(run["exit"]), f"{run['wall_s']:.1f}" if run["wall_s"] else "",
                  ratio(run, runs), str(m.get("train_first_step_after_start_s", "")), str(m.get("train_warmup_s", "")),
                  f"{m['train_images_per_second']:,.0f}" if "train_images_per_second" in m else "",
-                 *[str(m.get(f"time_{p}_s", "")) for p in PHASES], str(round(m["eval_accuracy"], 4)) if "eval_accuracy" in m else ""]  # fmt: skip
+                 *[str(m.get(f"time_{p}_s", "")) for p in PHASES], str(m.get("time_imports_s", "")), str(round(m["eval_accuracy"], 4)) if "eval_accuracy" in m else ""]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "<details><summary>Commands</summary>", ""]
     lines += [f"- `{run['name']}`: `{run['command']}`" for run in runs] + ["", "</details>", ""]
@@ -204,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=200, help="seconds a run may take")
     parser.add_argument("--redraw", action="store_true", help="markdown and chart again from OUT/wall_clock.json")
     parser.add_argument("--extra", default="", help="arguments added to every run (tests: --use_cpu true ...)")
+    parser.add_argument("--bytecode", action="store_true", help="byte-compile the Python libraries first, as pip does "
+                        "at install: an image without .pyc files (PYTHONDONTWRITEBYTECODE set) recompiles torch's "
+                        "modules in every process, for the peer and ours alike")  # fmt: skip
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.redraw:
@@ -216,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.extra:
             for job, (ours, peer) in list(JOBS.items()):
                 JOBS[job] = (ours + shlex.split(args.extra), peer + shlex.split(args.extra))
+        bytecode = byte_compile(work) if args.bytecode else None
         start = time.time()
         for run in runs:
             if time.time() - start > args.budget:
@@ -226,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"device": device_description(gpus) if gpus else "CPU", "commit": git_commit(),
                   "date": time.strftime("%Y-%m-%d"), "versions": library_versions(),
                   "command": "python benchmarks/wall_clock.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-                  "runs": [{**asdict(r), "name": r.name} for r in runs]}  # fmt: skip
+                  "bytecode": bytecode, "runs": [{**asdict(r), "name": r.name} for r in runs]}  # fmt: skip
         out.mkdir(parents=True, exist_ok=True)
         (out / "wall_clock.json").write_text(json.dumps(record, indent=1))
     write_markdown(record, out)

@@ -211,6 +211,7 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
 
     tiny = "image_size=32,patch_size=8,hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=256"
     gpu = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=gpu["bytes"])

@@ -212,6 +212,8 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
     import torch
 
     t, batch = args.training, args.training.per_device_train_batch_size
+    if not torch.cuda.is_available():  # a plan made for CUDA without one (tests): nothing to measure
+        return strategy
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     budget, world = FITS_WITHIN * gpu, strategy.world_size
     try:  # full fine-tuning's states: an upper bound for LoRA and head-only runs

@@ -276,7 +276,7 @@ def summary(results: dict, output_dir: str, reports: dict, skew: tuple[int, int]
             *([f"worst classes' recall: {worst}"] if worst else []),
         ]
     lines += [f"{k}: {v:.4f}" for k, v in results.items() if k.endswith(("accuracy", "mean_average_precision"))]
-    phases = {k[5:-2]: v for k, v in results.items() if k.startswith("time_") and k != "time_total_s"}
+    phases = {k[5:-2]: v for k, v in results.items() if k.startswith("time_") and k[5:-2] not in ("total", "imports")}
     if phases:  # where the wall time went (time_<phase>_s in all_results.json)
         lines.append("wall time: " + ", ".join(f"{p} {v:.1f}s" for p, v in phases.items() if v >= 0.05))
     trained = any(k.startswith(("train_", "eval_", "test_")) for k in results)
