@@ -6,6 +6,7 @@ import csv
 import logging
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import datasets
 import numpy as np
@@ -201,9 +202,23 @@ def evaluated_at_the_end(trainer) -> dict | None:
     return {k: v for k, v in last.items() if k.startswith("eval_")}
 
 
-def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, plots: bool) -> dict:
+def start_plots(trainer, plots: bool) -> Future | None:
+    """Draw the loss/lr/metric/throughput plots of the training history in a thread, while the GPU evaluates: the
+    plots only need the history, and the run's end waited for them (matplotlib's import included) after evaluating."""
+    if not (plots and trainer.is_world_process_zero() and trainer.state.log_history):  # predict-only: nothing to plot
+        return None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
+    history, t = list(trainer.state.log_history), trainer.args  # a copy: evaluation may log while it draws
+    drawing = pool.submit(write_plots, history, t.output_dir, t.label_smoothing_factor)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return drawing
+
+
+def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, plots: Future | None) -> dict:
     """Confusion matrix and per-class accuracy (multi-label: per-class AP, precision, recall, F1) of the last evaluated
-    split; loss/lr/metric/throughput plots."""
+    split, once `start_plots`'s plots are drawn (one figure at a time: matplotlib is not thread-safe)."""
+    if plots is not None:
+        plots.result()  # its error, if any, is raised here
     if not trainer.is_world_process_zero():
         return {}
     reports, output_dir = {}, trainer.args.output_dir
@@ -212,8 +227,6 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, p
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
         names, threshold = splits.label_names, trainer.threshold
         reports = write_reports(logits, output.label_ids, names, output_dir, split, threshold=threshold)
-    if plots and trainer.state.log_history:  # a predict-only run has nothing to plot
-        write_plots(trainer.state.log_history, output_dir, trainer.args.label_smoothing_factor)
     return reports
 
 
