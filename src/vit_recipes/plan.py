@@ -200,9 +200,9 @@ def build_plan(args: RunArguments) -> RunPlan:
     return plan
 
 
-# The estimate ran up to 10% under measured eager peaks (the device transforms and allocator slack are not in it): a
-# batch counts as fitting within this share of the GPU's memory.
-FITS_WITHIN = 0.85
+# The estimate ran up to 15% under measured peaks (ViT-H under DDP; the device transforms, allocator slack and
+# communication buffers are not all in it): a batch counts as fitting within this share of the GPU's memory.
+FITS_WITHIN = 0.8
 
 
 def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Strategy:
