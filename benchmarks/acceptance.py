@@ -58,7 +58,11 @@ STEPS, SAVE_EVERY, GLOBAL_BATCH = 30, 10, 64
 # bf16 autocast over 30 steps: other reduction orders (sharding, another process count) move the per-step loss by
 # up to ~1% here; a wrong resume, a missed gradient or a lost optimizer state moves it by far more (tens of %).
 LOSS_TOLERANCE = 0.03  # relative
-SCORE_TOLERANCE = 0.005  # test accuracy, pipeline() vs the run's own evaluation (0.5 points)
+# pipeline() scores in fp32 from PIL-preprocessed images, the run in bf16 from its GPU transform: after 30 steps (40%
+# accuracy, many near-ties) a few of 1,000 images flip. Measured: up to 0.3 points on H100s; on H200s the `default`
+# job 0.7 points in three calls at three commits, with bit-identical weights. A wrong resize, normalisation or label
+# map costs tens of points.
+SCORE_TOLERANCE = 0.01  # test accuracy, pipeline() vs the run's own evaluation (1 point)
 WEIGHT_TOLERANCE = 2e-2  # max |w_resumed - w_uninterrupted|; bf16 SDPA backward kernels are not bitwise deterministic
 RECIPE_B, RECIPE_H = "recipes/vit-base/cifar100/config_full.yaml", "recipes/vit-huge/cifar100/config_full.yaml"
 # The strategy runs: name -> (launcher, shipped config, rank report expectations)

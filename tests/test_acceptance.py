@@ -122,7 +122,7 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     (tmp_path / "scores").mkdir()
     for s in acceptance.STRATEGY_RUNS:
         (tmp_path / "scores" / f"{s}.json").write_text(json.dumps({"accuracy": 0.4, "images": 1000}))
-    (tmp_path / "scores" / "zero1.json").write_text(json.dumps({"accuracy": 0.39, "images": 1000}))  # 1 point off
+    (tmp_path / "scores" / "zero1.json").write_text(json.dumps({"accuracy": 0.385, "images": 1000}))  # 1.5 points off
     rows = {r["check"]: r for r in acceptance.check(suite)}
     failed = {name for name, r in rows.items() if r["status"] == "FAIL"}
     assert "zero2: resumed 2 -> 1, steps 11-30 within 3% of the uninterrupted run" in failed

@@ -101,14 +101,18 @@ def test_cifar_like_parquet_folder(cifar_like):
     assert max(Counter(loaded.validation["labels"]).values()) == 1
 
 
-def test_the_carved_validation_is_datasets_own_stratified_split():
-    """The carve reads the labels as one array but keeps datasets' sampler: the same images as its
+def test_the_carved_validation_and_samples_are_datasets_own_stratified_split():
+    """The carve and the sample caps read the labels as one array but keep datasets' sampler: the same images as its
     train_test_split(stratify_by_column=...), in the same order."""
     labels = np.random.default_rng(0).integers(0, 7, 300)
     train = Dataset.from_dict({"labels": labels, "i": np.arange(300)}).cast_column("labels", ClassLabel(num_classes=7))
     kept, held_out = data_module.carve_validation(train, 0.2, 7, seed=5, notes=[])
     reference = train.train_test_split(test_size=60, seed=5, stratify_by_column="labels")
     assert kept["i"][:] == reference["train"]["i"][:] and held_out["i"][:] == reference["test"]["i"][:]
+    sampled = data_module.sample(train, 50, seed=5, name="train", notes=[])  # --max_*_samples: the same sampler
+    assert (
+        sampled["i"][:] == train.train_test_split(train_size=50, seed=5, stratify_by_column="labels")["train"]["i"][:]
+    )
 
 
 def test_evaluation_only_carves_the_same_validation(cifar_like):

@@ -315,7 +315,7 @@ def sample(split: Dataset, cap: int, seed: int, name: str, notes: list[str]) -> 
     if cap >= len(split):
         return split
     try:
-        kept = split.train_test_split(train_size=cap, seed=seed, stratify_by_column=LABELS)["train"]
+        kept = stratified_split(split, cap, len(split) - cap, seed)[0]
         how = "stratified"
     except ValueError:  # multi-label, a class with a single row, or fewer rows than classes: cannot stratify
         kept = split.shuffle(seed=seed).select(range(cap))
@@ -323,6 +323,17 @@ def sample(split: Dataset, cap: int, seed: int, name: str, notes: list[str]) -> 
     notes.append(f"{name}: a sample of {cap} of its {len(split)} images (seed {seed}, {how})")
     logger.warning("Sampled %d of %d %s images (seed %d, %s)", cap, len(split), name, seed, how)
     return kept
+
+
+def stratified_split(split: Dataset, n_train: int, n_test: int, seed: int) -> tuple[Dataset, Dataset]:
+    """datasets' own stratified split (`train_test_split(stratify_by_column=...)`: its generator, sizes and index
+    sampler, so the same rows) without its reading of the labels row by row (2-5 s for 50k images at every new run).
+    ValueError where it cannot stratify: multi-label, a class with a single row, fewer rows than classes."""
+    if not _single(split):
+        raise ValueError("multi-label")
+    rng = np.random.default_rng(seed)
+    kept, held_out = next(stratified_shuffle_split_generate_indices(label_array(split), n_train, n_test, rng))
+    return split.select(kept), split.select(held_out)
 
 
 def label_array(split: Dataset) -> np.ndarray:
@@ -345,24 +356,17 @@ def carve_validation(
             "validation split; pass --validation_split_name"
         )
     try:
-        if not _single(train):
-            raise ValueError("multi-label")
-        # datasets' own stratified split (Dataset.train_test_split(stratify_by_column=...)): its generator, sizes and
-        # index sampler, so the same split, without its reading of the labels row by row (2-5 s for 50k images).
-        rng = np.random.default_rng(seed)
-        kept, held_out = next(
-            stratified_shuffle_split_generate_indices(label_array(train), len(train) - size, size, rng)
-        )
-        carved = {"train": train.select(kept), "test": train.select(held_out)}
+        kept, held_out = stratified_split(train, len(train) - size, size, seed)
         how = "stratified"
     except ValueError:  # multi-label, or some class has a single image: stratification is impossible
         carved = train.train_test_split(test_size=size, seed=seed)
+        kept, held_out = carved["train"], carved["test"]
         how = "not stratified: " + ("some class has fewer than 2 images" if _single(train) else "multi-label")
     notes.append(f"validation: {size} of the {len(train)} train images, carved out of train (seed {seed}, {how})")
     logger.warning(
         "No validation split: carved %d of %d train images into one (seed %d, %s)", size, len(train), seed, how
     )
-    return carved["train"], carved["test"]
+    return kept, held_out
 
 
 def load_image_folder(folder: str) -> Dataset:
