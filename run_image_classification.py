@@ -33,7 +33,7 @@ from vit_recipes.steps import (
     publish,
     save_model_files,
     setup_logging,
-    start_plots,
+    start_figures,
     summary,
     train,
     write_run_reports,
@@ -94,14 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
         save_model_files(trainer, args, splits, image_size, mean, std)
     timeline.mark("save")
 
-    # 8. Evaluate on validation, then once on test (the training plots are drawn meanwhile); per-class report.
-    plots = start_plots(trainer, args.observe.plots)
+    # 8. Evaluate on validation, then once on test (a child process draws the figures meanwhile); per-class report.
+    figures = start_figures(trainer, args.observe.plots)
     predictions = None
     if training.do_eval:
         metrics, predictions = evaluate(trainer, splits)
         results.update(metrics)
     timeline.mark("evaluate")
-    reports = write_run_reports(trainer, splits, predictions, plots)
+    reports = write_run_reports(trainer, splits, predictions, figures)
     timeline.mark("reports")
     results.update(timeline.metrics())
     timeline.log()

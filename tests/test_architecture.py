@@ -11,7 +11,7 @@ LAYERS = [
     {"metric", "classifiers", "plots"},  # import nothing of the package (metric: the evaluate module, numpy only)
     {"errors", "strategies", "images", "transforms", "metrics", "patch_embedding", "flops", "meter", "interrupt"}
     | {"reports", "timeline", "__init__"},
-    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers"},
+    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers", "figures"},
     {"data", "memory", "lora"},
     {"checks", "modeling", "card", "observability"},
     {"plan", "adapters"},

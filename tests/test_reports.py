@@ -1,5 +1,8 @@
 import csv
+import multiprocessing
 import re
+import threading
+import time
 from pathlib import Path
 
 import matplotlib
@@ -125,3 +128,34 @@ def test_class_names_a_font_cannot_draw_become_class_ids(tmp_path, monkeypatch):
     assert tick_names(["猫", "犬"], [0, 1]) == (["0", "1"], None)
     path = plot_confusion_matrix(np.array([[3, 1], [0, 4]]), ["猫", "犬"], str(tmp_path / "cm.png"))
     assert Path(path).stat().st_size > 0
+
+
+def test_the_figure_process_draws_what_the_run_would_and_reports_its_failure(tmp_path):
+    """figures.FigureProcess: the training plots and the confusion matrix drawn in a child process are the PNGs the
+    run's own process draws, byte for byte; a figure it cannot write fails finish() with the child's error line."""
+    from vit_recipes.figures import FigureProcess
+    from vit_recipes.plots import write_plots
+
+    history = [{"loss": 2.0 - 0.1 * s, "learning_rate": 1e-3, "grad_norm": 1.0, "step": s, "epoch": s / 10}
+               for s in range(1, 11)] + [{"eval_loss": 1.0, "eval_accuracy": 0.5, "step": 10, "epoch": 1.0}]  # fmt: skip
+    matrix = np.array([[3, 1], [0, 4]])
+    here, child = tmp_path / "here", tmp_path / "child"
+    write_plots(history, str(here), 0.1)
+    plot_confusion_matrix(matrix, ["cat", "dog"], str(here / "cm.png"), "t")
+    figures = FigureProcess(history, str(child), 0.1)
+    # A process forked now (as DataLoader workers are, by the evaluation) holds the pipe's write end open
+    forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    forked.start()
+    assert figures.confusion_matrix(matrix, ["cat", "dog"], str(child / "cm.png"), "t") == str(child / "cm.png")
+    waiting = threading.Thread(target=figures.finish, daemon=True)
+    waiting.start()
+    waiting.join(30)
+    forked.terminate()
+    assert not waiting.is_alive(), "finish() waited for the pipe to close"
+    drawn = sorted(p.name for p in here.iterdir())
+    assert drawn == sorted(p.name for p in child.iterdir()) and "training_curves.png" in drawn
+    assert all((here / name).read_bytes() == (child / name).read_bytes() for name in drawn)
+    (tmp_path / "a-file").write_text("")
+    broken = FigureProcess(history, str(tmp_path / "a-file"), 0.1)  # a file where the output folder should be
+    with pytest.raises(RuntimeError, match=r"drawing the run's figures failed: .*Error"):
+        broken.finish()

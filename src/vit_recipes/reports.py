@@ -150,10 +150,11 @@ def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
 
 
 def write_reports(
-    logits, labels, label_names: list[str], output_dir: str, split="test", top_n=10, threshold=0.5
+    logits, labels, label_names: list[str], output_dir: str, split="test", top_n=10, threshold=0.5, draw=None
 ) -> dict:
     """Write the confusion matrix PNG and per-class accuracy CSV/markdown of one split, or for multi-hot labels
-    (multi-label) per-class AP/precision/recall/F1 CSV/markdown (predicted: sigmoid >= threshold); return the paths."""
+    (multi-label) per-class AP/precision/recall/F1 CSV/markdown (predicted: sigmoid >= threshold); return the paths.
+    `draw` draws the matrix (default `plot_confusion_matrix`; figures.FigureProcess draws it in a child process)."""
     logits, labels = np.asarray(logits), np.asarray(labels)
     multi = labels.ndim == 2 and labels.shape[1] > 1
     labels = labels if multi else labels.reshape(-1)
@@ -175,7 +176,7 @@ def write_reports(
         matrix = confusion_matrix(labels, predictions, len(label_names))
         paths["confusion_matrix"] = os.path.join(output_dir, f"confusion_matrix_{split}.png")
         title = f"Confusion matrix ({split}, accuracy {np.trace(matrix) / max(len(labels), 1):.2%})"
-        plot_confusion_matrix(matrix, label_names, paths["confusion_matrix"], title=title)
+        (draw or plot_confusion_matrix)(matrix, label_names, paths["confusion_matrix"], title=title)
     markdown = per_class_markdown(rows, split, top_n)
     with open(paths["per_class_csv"], "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=MULTI_LABEL_FIELDS if multi else CSV_FIELDS)

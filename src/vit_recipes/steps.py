@@ -6,7 +6,6 @@ import csv
 import logging
 import os
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import datasets
 import numpy as np
@@ -32,6 +31,7 @@ from .data import (
     write_skipped,
 )
 from .errors import RecipeError, first_line
+from .figures import FigureProcess
 from .flops import peak_flops, training_flops_per_image
 from .hub import hub_error_message
 from .memory import load_config
@@ -202,31 +202,32 @@ def evaluated_at_the_end(trainer) -> dict | None:
     return {k: v for k, v in last.items() if k.startswith("eval_")}
 
 
-def start_plots(trainer, plots: bool) -> Future | None:
-    """Draw the loss/lr/metric/throughput plots of the training history in a thread, while the GPU evaluates: the
-    plots only need the history, and the run's end waited for them (matplotlib's import included) after evaluating."""
-    if not (plots and trainer.is_world_process_zero() and trainer.state.log_history):  # predict-only: nothing to plot
+def start_figures(trainer, plots: bool) -> FigureProcess | None:
+    """On rank 0, a child process that draws the training plots now, while the GPU evaluates, and the confusion matrix
+    once `write_run_reports` has it (figures.py). None where there is nothing to plot (predict-only, --plots false)."""
+    if not (plots and trainer.is_world_process_zero() and trainer.state.log_history):
         return None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
-    history, t = list(trainer.state.log_history), trainer.args  # a copy: evaluation may log while it draws
-    drawing = pool.submit(write_plots, history, t.output_dir, t.label_smoothing_factor)
-    pool.shutdown(wait=False)  # the thread ends with its one task
-    return drawing
+    t = trainer.args
+    try:
+        return FigureProcess(trainer.state.log_history, t.output_dir, t.label_smoothing_factor)
+    except OSError as err:  # no process to start: they are drawn here, after the evaluation
+        logger.warning("The plots are drawn after the evaluation (no process for them: %s)", first_line(err))
+        write_plots(trainer.state.log_history, t.output_dir, t.label_smoothing_factor)
+        return None
 
 
-def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, plots: Future | None) -> dict:
+def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, figures: FigureProcess | None) -> dict:
     """Confusion matrix and per-class accuracy (multi-label: per-class AP, precision, recall, F1) of the last evaluated
-    split, once `start_plots`'s plots are drawn (one figure at a time: matplotlib is not thread-safe)."""
-    if plots is not None:
-        plots.result()  # its error, if any, is raised here
-    if not trainer.is_world_process_zero():
-        return {}
-    reports, output_dir = {}, trainer.args.output_dir
-    if predictions:
+    split; then waits for `start_figures`'s process to write every figure."""
+    reports = {}
+    if predictions and trainer.is_world_process_zero():
         split, output = predictions
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
-        names, threshold = splits.label_names, trainer.threshold
-        reports = write_reports(logits, output.label_ids, names, output_dir, split, threshold=threshold)
+        names, threshold, draw = splits.label_names, trainer.threshold, figures and figures.confusion_matrix
+        reports = write_reports(logits, output.label_ids, names, trainer.args.output_dir, split, threshold=threshold,
+                                draw=draw)  # fmt: skip
+    if figures is not None:
+        figures.finish()
     return reports
 
 
