@@ -162,6 +162,8 @@ def host_memory_for(strategy, params: int, largest: int) -> float:
 
 @dataclass(frozen=True)
 class ModelShape:
+    """What the estimate needs of a classification model: its sizes (from the meta device) and the config's dims."""
+
     params: int
     largest_layer_params: int
     layers: int
@@ -279,6 +281,8 @@ def _zero_fp32(key, P, L, n, gpus_per_node, nodes):
 
 @dataclass
 class Estimate:
+    """One strategy's memory per GPU, in bytes (host memory per node for what it offloads)."""
+
     strategy: StrategySpec
     params: float  # bytes per GPU
     grads: float
@@ -321,6 +325,7 @@ def estimate(
     overhead_gib: float = 2.0,
     keys: tuple[str, ...] | None = None,
 ) -> list[Estimate]:
+    """Every multi-process strategy's (or those in `keys`) memory per GPU for `shape` at per-device `batch`."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise RecipeError(f"--gpus {gpus} must be a positive multiple of --nodes {nodes}")
     per_node = gpus // nodes

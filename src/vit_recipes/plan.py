@@ -208,7 +208,8 @@ FITS_WITHIN = 0.8
 def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Strategy:
     """From the per-GPU memory estimate (memory.estimate, tools/advise.py's table): gradient checkpointing, where the
     command leaves it unset, on only when the batch does not fit this GPU without it; and one line when a strategy
-    that communicates less than the launched one fits too. One line each; the strategy, with FSDP's checkpointing."""
+    that communicates less than the launched one fits too. Returns the strategy, with FSDP's checkpointing where it
+    turned on."""
     import torch
 
     t, batch = args.training, args.training.per_device_train_batch_size
