@@ -24,7 +24,7 @@ from vit_recipes.fp8 import convert_to_fp8
 from vit_recipes.interrupt import RunInterrupted
 from vit_recipes.modeling import build_finetune_model, mean_std
 from vit_recipes.patch_dropout import add_patch_dropout
-from vit_recipes.plan import build_plan, configure, decide_compile
+from vit_recipes.plan import build_plan, configure, decide_compile, warn_if_warmup_outlasts_the_run
 from vit_recipes.steps import (
     build_trainer,
     evaluate,
@@ -79,9 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
             splits = decode_splits(splits, image_size, args.data.storage_size, args.data.preprocessing_num_workers)
     timeline.mark("decode")
 
-    # 6. Trainer: regional compilation where it pays (the steps are known now), device transforms, metrics, speed
-    #    meter, trackers, profiler; DeepSpeed/FSDP set-up.
-    decide_compile(plan, args, len(splits.train) if training.do_train else 0)
+    # 6. Trainer: regional compilation where it pays (the steps are known now; so is a warm-up longer than the run),
+    #    device transforms, metrics, speed meter, trackers, profiler; DeepSpeed/FSDP set-up.
+    train_images = len(splits.train) if training.do_train else 0
+    decide_compile(plan, args, train_images)
+    warn_if_warmup_outlasts_the_run(plan, args, train_images)
     trainer, meter = build_trainer(args, plan, model, splits, finetune, image_size, mean, std)
     timeline.mark("trainer")
 

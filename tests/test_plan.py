@@ -254,3 +254,23 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
     on, lines, strategy = advised("fsdp2", tight)
     assert on is True and strategy.fsdp_activation_checkpointing
     assert len(lines) == 1 and lines[0].startswith("Gradient checkpointing on")
+
+
+def test_a_warm_up_as_long_as_the_run_is_said_in_one_line(tmp_path, caplog):
+    """The ViT-B recipe cut to one epoch (351 steps) keeps its 500 warm-up steps: its learning rate never peaks."""
+    from vit_recipes.plan import warn_if_warmup_outlasts_the_run
+
+    def said(*extra, images=45_000):
+        args = parse_args(["--config", str(ROOT / "recipes/vit-base/cifar100/config_full.yaml"), "--output_dir",
+                           str(tmp_path / "o"), "--use_cpu", "true", *extra])  # fmt: skip
+        caplog.clear()
+        warn_if_warmup_outlasts_the_run(build_plan(args), args, images)
+        return [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()]
+
+    assert said("--num_train_epochs", "1") == [
+        "The warm-up (500 steps) is as long as the run (351 steps): the learning rate peaks at 7.02e-05, not "
+        "--learning_rate 0.0001; lower --warmup_steps (e.g. to a tenth of the steps) for a full schedule"
+    ]
+    assert said() == []  # the recipe's 10 epochs: 3,510 steps
+    assert said("--max_steps", "200", "--warmup_steps", "20") == []
+    assert said("--max_steps", "200", "--do_train", "false") == []

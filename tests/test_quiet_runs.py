@@ -16,7 +16,7 @@ NOISE = re.compile(r"warn|deprecat|failed to load|^W\d{4} |traceback", re.IGNORE
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_demo_recipe_prints_no_warning(digits_dir, tiny_vit, tmp_path, lora):
-    extra = ["--num_train_epochs", "1"]
+    extra = ["--num_train_epochs", "1", "--warmup_steps", "2"]  # a warm-up as long as the run would be said
     if lora:  # LoRA on a saved checkpoint, merged at the end
         extra = ["--model_name_or_path", str(tiny_vit), "--config_overrides", "", "--use_peft", "true"]
         extra += [
@@ -24,6 +24,8 @@ def test_the_demo_recipe_prints_no_warning(digits_dir, tiny_vit, tmp_path, lora)
             "true",
             "--max_steps",
             "10",
+            "--warmup_steps",
+            "2",
         ]  # (the recipe's overrides are for training from scratch)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONWARNINGS", None)  # as a user runs it: Python's default warning filters

@@ -309,6 +309,20 @@ def decide_compile(plan: RunPlan, args: RunArguments, train_images: int) -> None
     logger.warning(f"Regional compilation on: {steps:,} steps repay it (--torch_compile_regions false trains eagerly)")
 
 
+def warn_if_warmup_outlasts_the_run(plan: RunPlan, args: RunArguments, train_images: int) -> None:
+    """One line when the learning-rate warm-up is as long as the run (a recipe's epochs or steps cut short): the
+    learning rate never reaches --learning_rate, which the run does not change."""
+    t = args.training
+    steps = planned_steps(t, train_images, plan.global_batch) if t.do_train else 0
+    warmup = t.get_warmup_steps(steps) if steps else 0
+    if warmup >= steps > 0:
+        logger.warning(
+            f"The warm-up ({warmup:,} steps) is as long as the run ({steps:,} steps): the learning rate peaks at "
+            f"{t.learning_rate * steps / warmup:.3g}, not --learning_rate {t.learning_rate:g}; lower --warmup_steps "
+            "(e.g. to a tenth of the steps) for a full schedule"
+        )
+
+
 def configure(plan: RunPlan, args: RunArguments) -> None:
     """Apply what the plan decided to the settings accelerate, the Trainer and DeepSpeed read later."""
     t, strategy = args.training, plan.strategy
