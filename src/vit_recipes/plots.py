@@ -164,7 +164,7 @@ def write_plots(log_history: list[dict], output_dir: str, label_smoothing: float
         ("throughput", plot_throughput),
     ]
     written = {}
-    for name, plot in jobs:  # no progress bar: under a second, often beside the evaluation's (steps.start_plots)
+    for name, plot in jobs:  # no progress bar: under a second, drawn beside the evaluation's (figures.py)
         if path := plot(log_history, os.path.join(output_dir, f"{name}.png")):
             written[name] = path
     return written
