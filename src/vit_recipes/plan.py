@@ -213,18 +213,20 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
     import torch
 
     t, batch = args.training, args.training.per_device_train_batch_size
-    if not torch.cuda.is_available():  # a plan made for CUDA without one (tests): nothing to measure
-        return strategy
+    # This run's row (one process holds what a DDP rank holds) and those of the strategies that communicate less
+    rows = PREFERENCE[: PREFERENCE.index(strategy.name) + 1] if strategy.name in PREFERENCE else ("ddp",)
+    if not torch.cuda.is_available() or (len(rows) == 1 and not t.checkpointing_by_memory):
+        return strategy  # no GPU to measure (a CUDA plan in tests), or nothing to decide or suggest
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     budget, world = FITS_WITHIN * gpu, strategy.world_size
     try:  # full fine-tuning's states: an upper bound for LoRA and head-only runs
         shape = model_shape(config_from_args(args.model)[0])
-        by_name = {e.strategy.name: e for e in estimate(shape, world, batch, strategy.nodes, precision)}
+        by_name = {e.strategy.name: e for e in estimate(shape, world, batch, strategy.nodes, precision, keys=rows)}
     except (RecipeError, OSError, ValueError, AttributeError, KeyError) as err:  # not ViT-shaped, or not readable yet
         if t.checkpointing_by_memory:
             logger.info("Gradient checkpointing off: no memory estimate for this model (%s)", first_line(err, 160))
         return strategy
-    mine = by_name["ddp" if strategy.name == "single" else strategy.name]  # one process holds what a DDP rank holds
+    mine = by_name[rows[-1]]
     if t.checkpointing_by_memory:
         on = mine.total > budget
         t.gradient_checkpointing = on
