@@ -254,6 +254,17 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
     on, lines, strategy = advised("fsdp2", tight)
     assert on is True and strategy.fsdp_activation_checkpointing
     assert len(lines) == 1 and lines[0].startswith("Gradient checkpointing on")
+    # Only the run's row and the lighter ones are estimated; with nothing to decide or suggest, nothing is built
+    from vit_recipes import plan
+
+    asked = []
+    monkeypatch.setattr(plan, "estimate", lambda *a, keys, **kw: asked.append(keys) or estimate(*a, keys=keys, **kw))
+    advised("zero3", 2 * ddp.total / FITS_WITHIN)
+    advised("single", between)
+    assert asked == [("ddp", "zero1", "zero2", "fsdp2", "zero3"), ("ddp",)]
+    monkeypatch.setattr(plan, "config_from_args", lambda *a: pytest.fail("the model's config was read"))
+    assert advised("single", between, "--gradient_checkpointing", "true")[:2] == (True, [])
+    assert advised("ddp", between, "--gradient_checkpointing", "false")[:2] == (False, [])
 
 
 def test_a_warm_up_as_long_as_the_run_is_said_in_one_line(tmp_path, caplog):
