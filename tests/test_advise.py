@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT
 from transformers import ViTConfig
 
-from vit_recipes.memory import activation_bytes, estimate, model_shape, recommend
+from vit_recipes.memory import activation_bytes, estimate, model_shape
 
 _spec = importlib.util.spec_from_file_location("advise", ROOT / "tools" / "advise.py")
 advise = sys.modules["advise"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
@@ -93,15 +93,15 @@ def test_fits_and_recommendation(shape):
     estimates = estimate(shape, 4, 4, overhead_gib=0)
     by_key = {e.strategy.name: e for e in estimates}
     ddp = by_key["ddp"]
-    assert ddp.fits(ddp.total) == "yes"
-    assert ddp.fits(ddp.total - 1) == "with ckpt"
-    assert ddp.fits(ddp.total_ckpt - 1) == "no"
-    pick, ckpt = recommend(estimates, ddp.total)
+    assert advise.fits(ddp, ddp.total) == "yes"
+    assert advise.fits(ddp, ddp.total - 1) == "with ckpt"
+    assert advise.fits(ddp, ddp.total_ckpt - 1) == "no"
+    pick, ckpt = advise.recommend(estimates, ddp.total)
     assert pick.strategy.name == "ddp" and not ckpt
     zero2 = by_key["zero2"]
-    pick, ckpt = recommend(estimates, zero2.total)  # DDP no longer fits, ZeRO-1 neither: ZeRO-2 does
+    pick, ckpt = advise.recommend(estimates, zero2.total)  # DDP no longer fits, ZeRO-1 neither: ZeRO-2 does
     assert pick.strategy.name == "zero2" and not ckpt
-    assert recommend(estimates, 1) is None
+    assert advise.recommend(estimates, 1) is None
 
 
 def test_cli_with_a_local_config(tmp_path, capsys):

@@ -8,9 +8,27 @@ gradients, optimizer states and activations (without / with gradient checkpointi
 `--gpu-memory`, the host memory offloading needs per node (vit_recipes/memory.py), and the config file to launch
 with. It reads only the model's config (no weights).
 
-The figures and their formulas: vit_recipes/memory.py. A run reads the same estimate at start: gradient
+The figures come from vit_recipes/memory.py. A run reads the same estimate at start: gradient
 checkpointing left unset turns on only where the batch does not fit without it, and a sharded strategy where a
 faster one fits says so in one line.
+
+Model states (P parameters, N GPUs, L parameters of the largest layer, 16-bit training with AdamW):
+
+- DDP: accelerate's `estimate_training_usage` (fp32 weights 4P, gradients 4P + 2P for the 16-bit GEMM copies,
+  Adam moments 8P); FSDP2 shards all of it over N and adds two unsharded layers in flight (2 x 2L);
+- ZeRO-2/3 and their offload variants: DeepSpeed's `estimate_zero2_model_states_mem_needs` /
+  `estimate_zero3_model_states_mem_needs` totals, split the way DeepSpeed counts them: 16-bit parameters (2P, or
+  2P/N + 4L under ZeRO-3), gradients (16-bit 2P/N + fp32 4P/N under ZeRO-2; fp32 4P/N under ZeRO-3), optimizer
+  (fp32 master 4P/N + Adam moments 8P/N). ZeRO-1 is ZeRO-2 with unpartitioned 16-bit gradients (2P instead of
+  2P/N). ZeRO++ adds hpZ's secondary 16-bit copy (2P / GPUs per node).
+- fp32 training: parameters 4, gradients 4, Adam 8 bytes per parameter, partitioned the same way.
+
+Activations (per GPU, per-device batch b, s tokens, hidden h, MLP width i, a heads, e bytes per element): each
+layer keeps s*b*(8h + 2i)*e (LayerNorm inputs/outputs, Q/K/V, attention output, MLP input, GELU input/output)
+plus, for the attention, the softmax logsumexp 4*b*a*s (fused SDPA) or the probabilities b*a*s^2*e (eager).
+Checkpointing keeps only each layer's input s*b*h*e and recomputes one layer at a time. Patch-embedding input,
+final LayerNorm and logits are added once. An allowance (--overhead, default 2 GiB: CUDA context, allocator slack,
+communication buckets) is added to every total.
 """
 
 from __future__ import annotations
@@ -19,7 +37,27 @@ import argparse
 import sys
 
 from vit_recipes.errors import RecipeError
-from vit_recipes.memory import GIB, Estimate, ModelShape, estimate, gib, load_config, model_shape, recommend
+from vit_recipes.memory import GIB, PREFERENCE, Estimate, ModelShape, estimate, gib, load_config, model_shape
+
+
+def fits(e: Estimate, gpu_bytes: float) -> str:
+    """ "yes", "with ckpt" (fits only with gradient checkpointing) or "no"."""
+    if e.total <= gpu_bytes:
+        return "yes"
+    if e.total_ckpt <= gpu_bytes:
+        return "with ckpt"
+    return "no"
+
+
+def recommend(estimates: list[Estimate], gpu_bytes: float) -> tuple[Estimate, bool] | None:
+    """The first strategy in PREFERENCE that fits, preferring no checkpointing (it costs ~30% more compute)."""
+    by_key = {e.strategy.name: e for e in estimates}
+    for ckpt in (False, True):
+        for key in PREFERENCE:
+            e = by_key.get(key)
+            if e is not None and (e.total_ckpt if ckpt else e.total) <= gpu_bytes:
+                return e, ckpt
+    return None
 
 
 def render(
@@ -66,7 +104,7 @@ def render(
                 gib(e.activations_ckpt),
                 gib(e.total),
                 gib(e.total_ckpt),
-                e.fits(gpu_bytes),
+                fits(e, gpu_bytes),
                 gib(e.host_per_node) if e.host_per_node else "-",
                 e.strategy.accelerate_config,
             )

@@ -1,26 +1,8 @@
 """The memory a strategy needs for the model a run trains, from its config alone (the model built on the meta device
-gives its size and largest layer): per GPU for every multi-process strategy (`estimate`, `recommend`), and the host
-memory an offloading strategy needs. The memory advisor (tools/advise.py) prints the table; a run reads it to decide
-gradient checkpointing and to name a faster strategy that fits (plan.py), and the offload check (checks.py) reads the
-host figures.
-
-Model states (P parameters, N GPUs, L parameters of the largest layer, 16-bit training with AdamW):
-
-- DDP: accelerate's `estimate_training_usage` (fp32 weights 4P, gradients 4P + 2P for the 16-bit GEMM copies,
-  Adam moments 8P); FSDP2 shards all of it over N and adds two unsharded layers in flight (2 x 2L);
-- ZeRO-2/3 and their offload variants: DeepSpeed's `estimate_zero2_model_states_mem_needs` /
-  `estimate_zero3_model_states_mem_needs` totals, split the way DeepSpeed counts them: 16-bit parameters (2P, or
-  2P/N + 4L under ZeRO-3), gradients (16-bit 2P/N + fp32 4P/N under ZeRO-2; fp32 4P/N under ZeRO-3), optimizer
-  (fp32 master 4P/N + Adam moments 8P/N). ZeRO-1 is ZeRO-2 with unpartitioned 16-bit gradients (2P instead of
-  2P/N). ZeRO++ adds hpZ's secondary 16-bit copy (2P / GPUs per node).
-- fp32 training: parameters 4, gradients 4, Adam 8 bytes per parameter, partitioned the same way.
-
-Activations (per GPU, per-device batch b, s tokens, hidden h, MLP width i, a heads, e bytes per element): each
-layer keeps s*b*(8h + 2i)*e (LayerNorm inputs/outputs, Q/K/V, attention output, MLP input, GELU input/output)
-plus, for the attention, the softmax logsumexp 4*b*a*s (fused SDPA) or the probabilities b*a*s^2*e (eager).
-Checkpointing keeps only each layer's input s*b*h*e and recomputes one layer at a time. Patch-embedding input,
-final LayerNorm and logits are added once. An allowance (default 2 GiB: CUDA context, allocator slack,
-communication buckets) is added to every total.
+gives its size and largest layer): per GPU for every multi-process strategy (`estimate`), and the host
+memory an offloading strategy needs. The memory advisor (tools/advise.py) prints the table, and its docstring gives
+the formulas; a run reads it to decide gradient checkpointing and to name a faster strategy that fits (plan.py), and
+the offload check (checks.py) reads the host figures.
 """
 
 from __future__ import annotations
@@ -304,13 +286,6 @@ class Estimate:
     def total_ckpt(self) -> float:
         return self.states + self.activations_ckpt + self.overhead
 
-    def fits(self, gpu_bytes: float) -> str:
-        if self.total <= gpu_bytes:
-            return "yes"
-        if self.total_ckpt <= gpu_bytes:
-            return "with ckpt"
-        return "no"
-
 
 OPTIONS = tuple(s for s in STRATEGIES if s.name != "single")  # the multi-process rows
 
@@ -342,14 +317,3 @@ def estimate(
 
 # Simplest/fastest first: communication grows down the list, offload trades GPU memory for host bandwidth.
 PREFERENCE = ("ddp", "zero1", "zero2", "fsdp2", "zero3", "zeropp", "zero2_offload", "fsdp2_offload", "zero3_offload")
-
-
-def recommend(estimates: list[Estimate], gpu_bytes: float) -> tuple[Estimate, bool] | None:
-    """The first strategy in PREFERENCE that fits, preferring no checkpointing (it costs ~30% more compute)."""
-    by_key = {e.strategy.name: e for e in estimates}
-    for ckpt in (False, True):
-        for key in PREFERENCE:
-            e = by_key.get(key)
-            if e is not None and (e.total_ckpt if ckpt else e.total) <= gpu_bytes:
-                return e, ckpt
-    return None
