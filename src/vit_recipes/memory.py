@@ -7,16 +7,17 @@ the offload check (checks.py) reads the host figures.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
+
+from transformers.utils import logging
 
 from .classifiers import classifier_class
 from .errors import RecipeError, first_line
 from .hub import offline_env, reachable_or_cached, written_as_path
 from .strategies import STRATEGIES, StrategySpec
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)  # transformers': it has warning_once
 GIB = 2**30
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for host memory, also used for FSDP2's offload
 
@@ -70,7 +71,8 @@ def config_from_args(model_args):
     """The config the script builds from, and whether weights come from a checkpoint."""
     if model_args.model_name_or_path:
         if model_args.config_overrides:  # a recipe's from-scratch shape next to a checkpoint: the checkpoint's wins
-            logger.warning(
+            # Once: the plan, the checks and the model each read the config (transformers' warning_once)
+            logger.warning_once(
                 f"--config_overrides ({model_args.config_overrides}) is ignored: {model_args.model_name_or_path} is a "
                 "trained checkpoint and keeps its own config (set --model_name_or_path null to train the overridden "
                 "shape from scratch)"
