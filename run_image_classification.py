@@ -24,7 +24,7 @@ from vit_recipes.fp8 import convert_to_fp8
 from vit_recipes.interrupt import RunInterrupted
 from vit_recipes.modeling import build_finetune_model, mean_std
 from vit_recipes.patch_dropout import add_patch_dropout
-from vit_recipes.plan import build_plan, configure, decide_compile, warn_if_warmup_outlasts_the_run
+from vit_recipes.plan import build_plan, configure, decide_compile, planned_steps, warn_if_warmup_outlasts_the_run
 from vit_recipes.steps import (
     build_trainer,
     evaluate,
@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 6. Trainer: regional compilation where it pays (the steps are known now; so is a warm-up longer than the run),
     #    device transforms, metrics, speed meter, trackers, profiler; DeepSpeed/FSDP set-up.
-    train_images = len(splits.train) if training.do_train else 0
-    decide_compile(plan, args, train_images)
-    warn_if_warmup_outlasts_the_run(plan, args, train_images)
+    steps = planned_steps(training, len(splits.train), plan.global_batch) if training.do_train else 0
+    decide_compile(plan, args, steps)
+    warn_if_warmup_outlasts_the_run(training, steps)
     trainer, meter = build_trainer(args, plan, model, splits, finetune, image_size, mean, std)
     timeline.mark("trainer")
 

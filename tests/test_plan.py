@@ -134,7 +134,7 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
         plan = dataclasses.replace(build_plan(args), device=device)
         configure(plan, args)
         caplog.clear()
-        decide_compile(plan, args, train_images=5000)
+        decide_compile(plan, args, planned_steps(args.training, train_images=5000, global_batch=plan.global_batch))
         lines = [r.getMessage() for r in caplog.records if "Regional compilation" in r.getMessage()]
         return args.training.torch_compile_regions, args.training.torch_compile, lines
 
@@ -269,13 +269,15 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
 
 def test_a_warm_up_as_long_as_the_run_is_said_in_one_line(tmp_path, caplog):
     """The ViT-B recipe cut to one epoch (351 steps) keeps its 500 warm-up steps: its learning rate never peaks."""
-    from vit_recipes.plan import warn_if_warmup_outlasts_the_run
+    from vit_recipes.plan import planned_steps, warn_if_warmup_outlasts_the_run
 
     def said(*extra, images=45_000):
         args = parse_args(["--config", str(ROOT / "recipes/vit-base/cifar100/config_full.yaml"), "--output_dir",
                            str(tmp_path / "o"), "--use_cpu", "true", *extra])  # fmt: skip
         caplog.clear()
-        warn_if_warmup_outlasts_the_run(build_plan(args), args, images)
+        warn_if_warmup_outlasts_the_run(
+            args.training, planned_steps(args.training, images, build_plan(args).global_batch)
+        )
         return [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()]
 
     assert said("--num_train_epochs", "1") == [

@@ -288,7 +288,7 @@ def planned_steps(t, train_images: int, global_batch: int) -> int:
     return t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * max(1, train_images // global_batch))
 
 
-def decide_compile(plan: RunPlan, args: RunArguments, train_images: int) -> None:
+def decide_compile(plan: RunPlan, args: RunArguments, steps: int) -> None:
     """Regional compilation where the command leaves it unset (training on a CUDA GPU): on when the run is long
     enough to repay the compile; one line either way."""
     t = args.training
@@ -299,7 +299,6 @@ def decide_compile(plan: RunPlan, args: RunArguments, train_images: int) -> None
         return
     if not plan.strategy.spec.supports("torch_compile_regions"):  # where it does not train correctly (ZeRO-3)
         return
-    steps = planned_steps(t, train_images, plan.global_batch)
     if steps < COMPILE_PAYS_AFTER_STEPS:
         logger.warning(
             "Regional compilation off: %s steps would not repay the compile (it pays from %s; "
@@ -311,13 +310,11 @@ def decide_compile(plan: RunPlan, args: RunArguments, train_images: int) -> None
     logger.warning(f"Regional compilation on: {steps:,} steps repay it (--torch_compile_regions false trains eagerly)")
 
 
-def warn_if_warmup_outlasts_the_run(plan: RunPlan, args: RunArguments, train_images: int) -> None:
+def warn_if_warmup_outlasts_the_run(t, steps: int) -> None:
     """One line when the learning-rate warm-up is as long as the run (a recipe's epochs or steps cut short): the
     learning rate never reaches --learning_rate, which the run does not change."""
-    t = args.training
-    steps = planned_steps(t, train_images, plan.global_batch) if t.do_train else 0
     warmup = t.get_warmup_steps(steps) if steps else 0
-    if warmup >= steps > 0:
+    if t.do_train and warmup >= steps > 0:
         logger.warning(
             f"The warm-up ({warmup:,} steps) is as long as the run ({steps:,} steps): the learning rate peaks at "
             f"{t.learning_rate * steps / warmup:.3g}, not --learning_rate {t.learning_rate:g}; lower --warmup_steps "
