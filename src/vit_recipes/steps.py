@@ -210,8 +210,8 @@ def start_figures(trainer, plots: bool) -> FigureProcess | None:
     t = trainer.args
     try:
         return FigureProcess(trainer.state.log_history, t.output_dir, t.label_smoothing_factor)
-    except OSError as err:  # no process to start: they are drawn here, after the evaluation
-        logger.warning("The plots are drawn after the evaluation (no process for them: %s)", first_line(err))
+    except OSError as err:  # no process to start: they are drawn here, before the evaluation
+        logger.warning("The plots are drawn in this process (no child process for them: %s)", first_line(err))
         write_plots(trainer.state.log_history, t.output_dir, t.label_smoothing_factor)
         return None
 
