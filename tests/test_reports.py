@@ -159,3 +159,23 @@ def test_the_figure_process_draws_what_the_run_would_and_reports_its_failure(tmp
     broken = FigureProcess(history, str(tmp_path / "a-file"), 0.1)  # a file where the output folder should be
     with pytest.raises(RuntimeError, match=r"drawing the run's figures failed: .*Error"):
         broken.finish()
+
+
+def test_without_a_process_for_the_figures_the_plots_are_drawn_in_the_run(tmp_path, monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from vit_recipes import steps
+
+    def no_process(*args):
+        raise OSError("fork: resource temporarily unavailable")
+
+    monkeypatch.setattr(steps, "FigureProcess", no_process)
+    history = [{"loss": 1.0, "learning_rate": 1e-3, "step": s, "epoch": s / 4} for s in range(1, 5)]
+    trainer = SimpleNamespace(
+        is_world_process_zero=lambda: True, state=SimpleNamespace(log_history=history),
+        args=SimpleNamespace(output_dir=str(tmp_path), label_smoothing_factor=0.0),
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        assert steps.start_figures(trainer, plots=True) is None
+    assert (tmp_path / "training_curves.png").is_file()
+    assert "The plots are drawn in this process (no child process for them: fork: resource" in caplog.text
