@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -46,6 +47,17 @@ def steps_to_parameter_devices(optimizer) -> int:
                 optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
                 moved += 1
     return moved
+
+
+@contextlib.contextmanager
+def _overridden(args, name: str, value):
+    """`args.<name>` set to `value` inside the block, restored however the block ends."""
+    saved = getattr(args, name)
+    setattr(args, name, value)
+    try:
+        yield
+    finally:
+        setattr(args, name, saved)
 
 
 class _NothingLeftToTrain(Exception):
@@ -107,12 +119,8 @@ class ImageClassificationTrainer(Trainer):
     def _get_dataloader(self, *args, is_training=False, **kwargs):
         # The Trainer drops short last batches everywhere; we drop them (for torch.compile) in training only, so
         # evaluation and prediction score every image.
-        drop_last = self.args.dataloader_drop_last
-        self.args.dataloader_drop_last = drop_last and is_training
-        try:
+        with _overridden(self.args, "dataloader_drop_last", self.args.dataloader_drop_last and is_training):
             loader = super()._get_dataloader(*args, is_training=is_training, **kwargs)
-        finally:
-            self.args.dataloader_drop_last = drop_last
         # accelerate's DataLoaderShard iterates a DataLoader it holds
         base = getattr(loader, "base_dataloader", loader)
         if base.num_workers > 0:  # read when the workers start, each time the loader is iterated
@@ -134,16 +142,16 @@ class ImageClassificationTrainer(Trainer):
             ds_config.setdefault("checkpoint", {})["load_universal"] = universal
         if self.ema is not None and resume_from_checkpoint:
             self.ema.load(resume_from_checkpoint, self.model)
-        self.filter_nan_inf, self.args.logging_nan_inf_filter = self.args.logging_nan_inf_filter, False
+        self.filter_nan_inf = self.args.logging_nan_inf_filter
         try:
-            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            with _overridden(self.args, "logging_nan_inf_filter", False):
+                output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next
             self.is_in_train = False
             if self.args.load_best_model_at_end and self.state.best_model_checkpoint:  # as the Trainer's end does
                 self._load_best_model()
             output = TrainOutput(self.state.global_step, 0.0, {})
         finally:
-            self.args.logging_nan_inf_filter = self.filter_nan_inf
             self.stop_on_signal.on_train_end(self.args, self.state, self.control)  # handlers off, however it ended
         if self.stop_on_signal.stopped_at is not None:  # saved on a signal: not a finished run
             raise RunInterrupted(self.stop_on_signal.stopped_at, self.stop_on_signal.signum)
@@ -219,12 +227,9 @@ class ImageClassificationTrainer(Trainer):
         return loss
 
     def evaluation_loop(self, *args, **kwargs):
-        training = self.args.logging_nan_inf_filter  # False inside train(): evaluation reads the user's setting
-        self.args.logging_nan_inf_filter = self.filter_nan_inf
-        try:
+        # Inside train() the Trainer's filter is off: evaluation reads the user's setting.
+        with _overridden(self.args, "logging_nan_inf_filter", self.filter_nan_inf):
             return super().evaluation_loop(*args, **kwargs)
-        finally:
-            self.args.logging_nan_inf_filter = training
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self._training_batch = False
@@ -252,15 +257,15 @@ class ImageClassificationTrainer(Trainer):
             outputs = model(**model_inputs)
             logits = outputs["logits"].float()
             weights = self.class_weights if model.training else None
+            smoothing = self.args.label_smoothing_factor if model.training else 0.0
             if labels is not None and labels.ndim == 2:  # multi-hot: multi-label, one sigmoid per class
                 if targets is None:
-                    targets = smooth_targets(labels, self.args.label_smoothing_factor if model.training else 0.0)
+                    targets = smooth_targets(labels, smoothing)
                 loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=weights)
             elif targets is not None:
                 weighted = targets if self.class_weights is None else targets * self.class_weights
                 loss = torch.sum(-weighted * F.log_softmax(logits, dim=-1), dim=-1).mean()
             elif labels is not None:
-                smoothing = self.args.label_smoothing_factor if model.training else 0.0
                 loss = F.cross_entropy(logits, labels, weight=weights, label_smoothing=smoothing)
             else:
                 loss = logits.new_zeros(())
