@@ -11,8 +11,10 @@ and datasets caches: a new machine) and warm (the same command again, into a new
   (`--train_val_split 0.1`) at the same batch and evaluates the validation split as its script does.
 - steps200: 200 steps at batch 256, then 2,000 evaluation images (ours: validation and test, 2,000 each).
 
-`ours-compiled` runs of steps200 (`--torch_compile_regions true`, cold then warm) measure what regional compilation
-costs once and saves per step: the data behind the default's "compile only where it pays" rule.
+`ours-compiled` runs (`--torch_compile_regions true`, cold then warm) measure what regional compilation costs once
+and saves per step: the data behind the default's "compile only where it pays" rule. `ours-after-compiled` is the
+command as typed, run after a compiled run of the same model and batch (their caches): the rule's second case, where
+the compile cache already holds the artifacts and the run compiles whatever its steps.
 
 Each job's wall clock is measured here (process start to exit); its phases come from all_results.json (ours: the
 timeline every run records; the peer: start-up to the first step, train, evaluate, save), and the steady img/s and
@@ -66,6 +68,8 @@ PLAN = [
     ("epoch", "peer", 16, "cold"), ("epoch", "ours", None, "cold"), ("epoch", "ours", None, "warm"),
     ("steps200", "peer", 16, "cold"), ("steps200", "ours", None, "cold"), ("steps200", "ours", None, "warm"),
     ("steps200", "ours-compiled", None, "cold"), ("steps200", "ours-compiled", None, "warm"),
+    ("steps200", "ours", None, "after-compiled"), ("epoch", "ours-compiled", None, "cold"),
+    ("epoch", "ours", None, "after-compiled"),
     ("steps200", "peer", 8, "cold"), ("epoch", "peer", 8, "cold"),
 ]  # fmt: skip
 
@@ -75,7 +79,8 @@ class Run:
     job: str
     who: str  # peer, ours, ours-compiled
     workers: int | None  # the peer's DataLoader workers (ours: the recipe's default)
-    cache: str  # cold: fresh compile and datasets caches; warm: those of the cold run before it
+    cache: str  # cold: fresh compile and datasets caches; warm: those of the cold run before it; after-compiled:
+    # those of the job's ours-compiled runs (the command as typed, after a compiled run of the same model and batch)
     command: str = ""
     exit: int | str | None = None
     wall_s: float | None = None
@@ -99,7 +104,8 @@ def argv_of(run: Run, assets: Path, out: Path) -> list[str]:
 
 def execute(run: Run, assets: Path, work: Path, timeout: float) -> None:
     # A cold run and its warm rerun share caches: one folder per job and script
-    caches = work / "caches" / f"{run.job}-{run.who}-{run.workers or 0}"
+    who = "ours-compiled" if run.cache == "after-compiled" else run.who
+    caches = work / "caches" / f"{run.job}-{who}-{run.workers or 0}"
     if run.cache == "cold":
         shutil.rmtree(caches, ignore_errors=True)
     out = work / "runs" / run.name

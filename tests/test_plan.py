@@ -116,36 +116,58 @@ def test_readme_strategy_table_is_the_strategy_table():
 
 
 def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatch, caplog):
-    """Unset, --torch_compile_regions turns on for training on a CUDA GPU when the run is long enough to repay the
-    compile; never on the CPU or under ZeRO-3. One line says which. Compiled runs keep inductor's caches under the
-    Hugging Face cache unless TORCHINDUCTOR_CACHE_DIR says where."""
-    from vit_recipes.plan import COMPILE_PAYS_AFTER_STEPS, configure, decide_compile, planned_steps
+    """Unset, --torch_compile_regions turns on for training on a CUDA GPU when the run is long enough to repay a cold
+    compile, or when an earlier compiled run of the same model and batch filled the compile cache; never on the CPU or
+    under ZeRO-3. One line says which. Compiled runs keep inductor's caches under the Hugging Face cache unless
+    TORCHINDUCTOR_CACHE_DIR says where."""
+    import torch
+    from conftest import tiny_vit_config
+    from transformers import ViTForImageClassification
+
+    from vit_recipes.plan import COMPILE_PAYS_AFTER_STEPS, configure, decide_compile, planned_steps, remember_compiled
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")  # restored after the test
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")  # part of the cache key
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(tmp_path / "hf"))
+    model = ViTForImageClassification(tiny_vit_config())
 
-    def resolved(device, steps, *extra):
+    def resolved(device, steps, *extra, model=model):
         args = parse_args(["--dataset_name", "data", "--output_dir", str(tmp_path / "out"), "--report_to", "none",
                            "--use_cpu", "true", "--do_train", "true", "--max_steps", str(steps), *extra])  # fmt: skip
         plan = dataclasses.replace(build_plan(args), device=device)
         configure(plan, args)
         caplog.clear()
-        decide_compile(plan, args, planned_steps(args.training, train_images=5000, global_batch=plan.global_batch))
+        steps = planned_steps(args.training, train_images=5000, global_batch=plan.global_batch)
+        key = decide_compile(plan, args, steps, model)
         lines = [r.getMessage() for r in caplog.records if "Regional compilation" in r.getMessage()]
-        return args.training.torch_compile_regions, args.training.torch_compile, lines
+        return args.training.torch_compile_regions, args.training.torch_compile, lines, key
 
     short, long = 200, COMPILE_PAYS_AFTER_STEPS
-    assert resolved("cpu", long) == (None, False, [])
-    assert resolved("cuda", short) == (None, False, [
-        f"Regional compilation off: {short} steps would not repay the compile (it pays from {long:,}; "
-        "--torch_compile_regions true compiles anyway)"])  # fmt: skip
-    assert resolved("cuda", long) == (True, True, [
+    cache = tmp_path / "hf" / "vit_recipes" / "torch_compile"
+    assert resolved("cpu", long) == (None, False, [], None)
+    assert resolved("cuda", short)[:3] == (None, False, [
+        f"Regional compilation off: {short} steps would not repay a first compile (it pays from {long:,}, or from "
+        "the second run of a compiled model and batch; --torch_compile_regions true compiles anyway)"])  # fmt: skip
+    on, compiled, lines, key = resolved("cuda", long)
+    assert (on, compiled, lines) == (True, True, [
         f"Regional compilation on: {long:,} steps repay it (--torch_compile_regions false trains eagerly)"])  # fmt: skip
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "hf" / "vit_recipes" / "torch_compile")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
+    # Once that run has trained, the same model and batch compile whatever the steps; another batch, model or GPU not
+    remember_compiled(key)
+    assert resolved("cuda", short)[:3] == (True, True, [
+        f"Regional compilation on: the compile cache ({cache}) holds this model and batch from an earlier run "
+        "(--torch_compile_regions false trains eagerly)"])  # fmt: skip
+    assert resolved("cuda", short, "--per_device_train_batch_size", "16")[:2] == (None, False)
+    assert resolved("cuda", short, model=ViTForImageClassification(tiny_vit_config(hidden_size=16)))[:2] == (
+        None,
+        False,
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert resolved("cuda", short)[:2] == (None, False)
     assert resolved("cuda", long, "--torch_compile_regions", "false")[:2] == (False, False)
     assert resolved("cuda", short, "--torch_compile_regions", "true")[:2] == (True, True)  # asked for: no rule
     zero3 = ("--deepspeed", str(ROOT / "ds_configs/zero3.json"))

@@ -245,13 +245,17 @@ def resolve_report_to(report_to):
     return names[0] if len(names) == 1 else names
 
 
-def compile_regions(t, regions: bool = True) -> None:
-    """Turn on (regional) torch.compile in TrainingArguments `t`, from __post_init__ or once the plan knows the device."""
+def compile_cache_dir() -> str:
+    """Where torch.compile's caches live: TORCHINDUCTOR_CACHE_DIR, else under the Hugging Face cache (inductor's own
+    default, /tmp, goes with the machine or container). Inductor keys each artifact by torch, Triton, GPU and graph."""
     from huggingface_hub.constants import HF_HOME
 
-    # Inductor's caches under the Hugging Face cache (its default, /tmp, goes with the machine or container), unless
-    # TORCHINDUCTOR_CACHE_DIR says where. Inductor keys each artifact by torch, Triton, GPU and graph.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(HF_HOME, "vit_recipes", "torch_compile"))
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(HF_HOME, "vit_recipes", "torch_compile")
+
+
+def compile_regions(t, regions: bool = True) -> None:
+    """Turn on (regional) torch.compile in TrainingArguments `t`, from __post_init__ or once the plan knows the device."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()
     if regions:  # the Trainer builds accelerate's TorchDynamoPlugin without this option; the plugin reads it here
         os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true"
         t.torch_compile, t.torch_compile_regions = True, True

@@ -4,16 +4,18 @@ loaded (`build_plan`) and applied to other libraries' settings (`configure`). No
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from . import strategies
-from .arguments import RunArguments, compile_regions, run_config
+from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config
 from .checks import check_plan, config_value, deepspeed_checkpoint_world_size
 from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
@@ -278,9 +280,10 @@ def eager_if_compile_fails() -> None:
     dynamo_log.addFilter(one_line)
 
 
-# A regional compile costs as much as hundreds of steps save, even from a warm cache (it traces again):
-# docs/benchmarks.md ("When compilation pays") has the measurements behind this threshold.
+# A cold regional compile costs as much as about a thousand of the recipe's steps save: docs/benchmarks.md ("When
+# compilation pays") has the measurements behind this threshold. From a warm cache it costs about nothing.
 COMPILE_PAYS_AFTER_STEPS = 1000
+COMPILED_RECORD = "vit_recipes_compiled.json"  # in the compile cache: the runs whose artifacts it holds
 
 
 def planned_steps(t, train_images: int, global_batch: int) -> int:
@@ -288,26 +291,88 @@ def planned_steps(t, train_images: int, global_batch: int) -> int:
     return t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * max(1, train_images // global_batch))
 
 
-def decide_compile(plan: RunPlan, args: RunArguments, steps: int) -> None:
+def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str | None:
     """Regional compilation where the command leaves it unset (training on a CUDA GPU): on when the run is long
-    enough to repay the compile; one line either way."""
+    enough to repay a cold compile, or when the compile cache holds this run's artifacts already; one line either way.
+    Returns the key to record once a compiled run has trained (`remember_compiled`), None for an eager one."""
     t = args.training
-    if not (t.torch_compile_regions is None and t.do_train and plan.device == "cuda"):
+    if not (t.do_train and plan.device == "cuda"):
+        return None
+    key = compile_key(plan, args, model)
+    if t.torch_compile_regions is None:
+        if t.fp8 and t.fp8_backend == "transformer_engine":
+            logger.warning("Regional compilation off: Transformer Engine's FP8 layers run eagerly")
+            return None
+        if not plan.strategy.spec.supports("torch_compile_regions"):  # where it does not train correctly (ZeRO-3)
+            return None
+        if was_compiled(key):
+            why = f"the compile cache ({compile_cache_dir()}) holds this model and batch from an earlier run"
+        elif steps >= COMPILE_PAYS_AFTER_STEPS:
+            why = f"{steps:,} steps repay it"
+        else:
+            logger.warning(
+                "Regional compilation off: %s steps would not repay a first compile (it pays from %s, or from the "
+                "second run of a compiled model and batch; --torch_compile_regions true compiles anyway)",
+                f"{steps:,}", f"{COMPILE_PAYS_AFTER_STEPS:,}",
+            )  # fmt: skip
+            return None
+        compile_regions(t)
+        eager_if_compile_fails()
+        logger.warning(f"Regional compilation on: {why} (--torch_compile_regions false trains eagerly)")
+    return key if t.torch_compile_regions else None
+
+
+def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
+    """A digest of what regional compilation's artifacts depend on: torch, Triton, the GPU, the model as built
+    (architecture, LoRA, patch dropout), the batches, precision, checkpointing and strategy. Inductor keys its own
+    artifacts by graph, so a key that matches wrongly costs a cold compile, never a wrong result."""
+    import hashlib
+
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("id2label", "label2id", "_name_or_path")}
+    t = args.training
+    parts = [torch.__version__, triton_version, torch.cuda.get_device_name(), repr(model), config,
+             t.per_device_train_batch_size, t.per_device_eval_batch_size, plan.precision,
+             bool(t.gradient_checkpointing), plan.strategy.name, args.augment.patch_dropout]  # fmt: skip
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _compiled_keys() -> dict:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(Path(compile_cache_dir(), COMPILED_RECORD).read_text())
+    return {}
+
+
+def was_compiled(key: str) -> bool:
+    """Whether the compile cache holds this key's artifacts, as the first process reads it: every process decides
+    the same (nodes need not share a cache)."""
+    import torch.distributed as dist
+
+    held = [key in _compiled_keys() and not is_true(os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES"))]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(held, src=0)
+    return held[0]
+
+
+def remember_compiled(key: str | None) -> None:
+    """Record that the compile cache now holds a compiled run's artifacts (the 50 newest kept), so the same model
+    and batch compile by default next time, whatever the number of steps."""
+    if not key:
         return
-    if t.fp8 and t.fp8_backend == "transformer_engine":
-        logger.warning("Regional compilation off: Transformer Engine's FP8 layers run eagerly")
-        return
-    if not plan.strategy.spec.supports("torch_compile_regions"):  # where it does not train correctly (ZeRO-3)
-        return
-    if steps < COMPILE_PAYS_AFTER_STEPS:
-        logger.warning(
-            "Regional compilation off: %s steps would not repay the compile (it pays from %s; "
-            "--torch_compile_regions true compiles anyway)", f"{steps:,}", f"{COMPILE_PAYS_AFTER_STEPS:,}",
-        )  # fmt: skip
-        return
-    compile_regions(t)
-    eager_if_compile_fails()
-    logger.warning(f"Regional compilation on: {steps:,} steps repay it (--torch_compile_regions false trains eagerly)")
+    keys = {k: v for k, v in _compiled_keys().items() if k != key}
+    keys = dict(list(keys.items())[-49:]) | {key: time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path = Path(compile_cache_dir(), COMPILED_RECORD)
+    with contextlib.suppress(OSError):  # a read-only cache: later runs decide by steps alone
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(keys, indent=1))
+        path.with_suffix(".tmp").replace(path)  # whole or not at all: runs sharing a cache may read it meanwhile
 
 
 def warn_if_warmup_outlasts_the_run(t, steps: int) -> None:
