@@ -88,6 +88,21 @@ def one(args) -> dict:
     }  # fmt: skip
 
 
+def script(argv: list[str]) -> dict:
+    """The real run, in this process: which of torch's caches its compile hit, and where its compile time went."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+    from torch._dynamo.utils import compile_times, counters
+
+    import run_image_classification
+
+    results = run_image_classification.main(argv)
+    return {
+        "warmup_s": results.get("train_warmup_s"), "img_per_s": results.get("train_images_per_second"),
+        "counters": {group: dict(counters[group]) for group in ("inductor", "aot_autograd", "stats", "frames")},
+        "compile_times_s": dict(sorted(zip(*compile_times(repr="csv", aggregate=True)), key=lambda kv: -float(kv[1]))[:15]),
+    }  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="bench_assets/vit-base", help="A local model folder (its config is used).")
@@ -99,7 +114,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="First steps timed together (the compile).")
     p.add_argument("--steps", type=int, default=60, help="Steady steps timed after them.")
     p.add_argument("--timeout", type=int, default=240)
+    p.add_argument("--script", nargs=argparse.REMAINDER, help="Run run_image_classification.py's main with these "
+                   "arguments in this process, then print its compile times and cache counters.")  # fmt: skip
     args = p.parse_args()
+    if args.script is not None:
+        print("PROBE " + json.dumps(script(args.script)), flush=True)
+        return
     if args.way:
         print("PROBE " + json.dumps(one(args)), flush=True)
         return
