@@ -116,15 +116,24 @@ def test_readme_strategy_table_is_the_strategy_table():
 
 
 def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatch, caplog):
-    """Unset, --torch_compile_regions turns on for training on a CUDA GPU when the run is long enough to repay a cold
-    compile, or when an earlier compiled run of the same model and batch filled the compile cache; never on the CPU or
-    under ZeRO-3. One line says which. Compiled runs keep inductor's caches under the Hugging Face cache unless
+    """Unset, --torch_compile_regions turns on for training on a CUDA GPU when the run is long enough to repay the
+    compile: a cold one, or a cheaper one where an earlier compiled run of the same model and batch filled the compile
+    cache; never on the CPU or under ZeRO-3. One line says which. Compiled runs keep inductor's caches under the Hugging Face cache unless
     TORCHINDUCTOR_CACHE_DIR says where."""
     import torch
+    import transformers.training_args
     from conftest import tiny_vit_config
     from transformers import ViTForImageClassification
 
-    from vit_recipes.plan import COMPILE_PAYS_AFTER_STEPS, configure, decide_compile, planned_steps, remember_compiled
+    import vit_recipes.arguments
+    from vit_recipes.plan import (
+        COMPILE_PAYS_AFTER_STEPS,
+        COMPILE_PAYS_AFTER_STEPS_WARM,
+        configure,
+        decide_compile,
+        planned_steps,
+        remember_compiled,
+    )
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")  # restored after the test
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -134,8 +143,13 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(tmp_path / "hf"))
     model = ViTForImageClassification(tiny_vit_config())
+    tf32 = []  # TF32 turned on: by TrainingArguments for a compile asked for, by the plan for one it decides
+    for module in (vit_recipes.arguments, transformers.training_args):
+        monkeypatch.setattr(module, "is_torch_tf32_available", lambda: True)
+        monkeypatch.setattr(module, "enable_tf32", tf32.append)
 
     def resolved(device, steps, *extra, model=model):
+        tf32.clear()
         args = parse_args(["--dataset_name", "data", "--output_dir", str(tmp_path / "out"), "--report_to", "none",
                            "--use_cpu", "true", "--do_train", "true", "--max_steps", str(steps), *extra])  # fmt: skip
         plan = dataclasses.replace(build_plan(args), device=device)
@@ -144,30 +158,32 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
         steps = planned_steps(args.training, train_images=5000, global_batch=plan.global_batch)
         key = decide_compile(plan, args, steps, model)
         lines = [r.getMessage() for r in caplog.records if "Regional compilation" in r.getMessage()]
-        return args.training.torch_compile_regions, args.training.torch_compile, lines, key
+        return args.training.torch_compile_regions, args.training.torch_compile, lines, key, list(tf32)
 
-    short, long = 200, COMPILE_PAYS_AFTER_STEPS
+    short, medium, long = 200, COMPILE_PAYS_AFTER_STEPS_WARM, COMPILE_PAYS_AFTER_STEPS
     cache = tmp_path / "hf" / "vit_recipes" / "torch_compile"
-    assert resolved("cpu", long) == (None, False, [], None)
-    assert resolved("cuda", short)[:3] == (None, False, [
-        f"Regional compilation off: {short} steps would not repay a first compile (it pays from {long:,}, or from "
-        "the second run of a compiled model and batch; --torch_compile_regions true compiles anyway)"])  # fmt: skip
-    on, compiled, lines, key = resolved("cuda", long)
+    off = ("Regional compilation off: {} steps would not repay the compile (it pays from 1,000 steps, or 400 where the "
+           "compile cache holds this model and batch{}; --torch_compile_regions true compiles anyway)")  # fmt: skip
+    assert resolved("cpu", long) == (None, False, [], None, [])
+    assert resolved("cuda", medium)[:3] == (None, False, [off.format(medium, "")])
+    on, compiled, lines, key, tf32_on = resolved("cuda", long)
     assert (on, compiled, lines) == (True, True, [
         f"Regional compilation on: {long:,} steps repay it (--torch_compile_regions false trains eagerly)"])  # fmt: skip
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
-    # Once that run has trained, the same model and batch compile whatever the steps; another batch, model or GPU not
+    # The same TF32 setting as a compile asked for (TrainingArguments' rule), so both compute and cache the same graphs
+    assert tf32_on == resolved("cuda", short, "--torch_compile_regions", "true")[4] == [True]
+    assert resolved("cuda", short)[4] == []
+    # Once that run has trained, the same model and batch compile from fewer steps; another batch, model or GPU not
     remember_compiled(key)
-    assert resolved("cuda", short)[:3] == (True, True, [
-        f"Regional compilation on: the compile cache ({cache}) holds this model and batch from an earlier run "
+    assert resolved("cuda", medium)[:3] == (True, True, [
+        f"Regional compilation on: {medium} steps repay it from the compile cache ({cache}) "
         "(--torch_compile_regions false trains eagerly)"])  # fmt: skip
-    assert resolved("cuda", short, "--per_device_train_batch_size", "16")[:2] == (None, False)
-    assert resolved("cuda", short, model=ViTForImageClassification(tiny_vit_config(hidden_size=16)))[:2] == (
-        None,
-        False,
-    )
+    assert resolved("cuda", short)[:3] == (None, False, [off.format(short, ", as it does")])
+    assert resolved("cuda", medium, "--per_device_train_batch_size", "16")[:2] == (None, False)
+    tiny = ViTForImageClassification(tiny_vit_config(hidden_size=16))
+    assert resolved("cuda", medium, model=tiny)[:2] == (None, False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    assert resolved("cuda", short)[:2] == (None, False)
+    assert resolved("cuda", medium)[:2] == (None, False)
     assert resolved("cuda", long, "--torch_compile_regions", "false")[:2] == (False, False)
     assert resolved("cuda", short, "--torch_compile_regions", "true")[:2] == (True, True)  # asked for: no rule
     zero3 = ("--deepspeed", str(ROOT / "ds_configs/zero3.json"))

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.utils import is_torch_tf32_available
+from transformers.utils.import_utils import enable_tf32
 
 from .errors import RecipeError, first_line
 
@@ -253,9 +255,15 @@ def compile_cache_dir() -> str:
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(HF_HOME, "vit_recipes", "torch_compile")
 
 
-def compile_regions(t, regions: bool = True) -> None:
-    """Turn on (regional) torch.compile in TrainingArguments `t`, from __post_init__ or once the plan knows the device."""
+def compile_regions(t, regions: bool = True, after_init: bool = False) -> None:
+    """Turn on (regional) torch.compile in TrainingArguments `t`, from __post_init__ or, `after_init`, once the plan
+    knows the device and steps."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()
+    if after_init and (t.tf32 is None and not t.fp16 or t.bf16) and is_torch_tf32_available():
+        # TrainingArguments' __post_init__ turns TF32 matmuls on for compiled runs, but it ran with compilation off:
+        # its rule, applied now, so a compile decided here computes (and caches) what --torch_compile_regions true does
+        enable_tf32(True)
+        align_matmul_precision()
     if regions:  # the Trainer builds accelerate's TorchDynamoPlugin without this option; the plugin reads it here
         os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true"
         t.torch_compile, t.torch_compile_regions = True, True

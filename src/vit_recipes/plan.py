@@ -280,9 +280,11 @@ def eager_if_compile_fails() -> None:
     dynamo_log.addFilter(one_line)
 
 
-# A cold regional compile costs as much as about a thousand of the recipe's steps save: docs/benchmarks.md ("When
-# compilation pays") has the measurements behind this threshold. From a warm cache it costs about nothing.
+# A regional compile costs as much as about a thousand of the recipe's steps save when cold, and about 400 when the
+# compile cache holds the run's artifacts (dynamo still traces, and evaluation's shapes compile too):
+# docs/benchmarks.md ("When compilation pays") has the measurements behind both thresholds.
 COMPILE_PAYS_AFTER_STEPS = 1000
+COMPILE_PAYS_AFTER_STEPS_WARM = 400
 COMPILED_RECORD = "vit_recipes_compiled.json"  # in the compile cache: the runs whose artifacts it holds
 
 
@@ -293,7 +295,8 @@ def planned_steps(t, train_images: int, global_batch: int) -> int:
 
 def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str | None:
     """Regional compilation where the command leaves it unset (training on a CUDA GPU): on when the run is long
-    enough to repay a cold compile, or when the compile cache holds this run's artifacts already; one line either way.
+    enough to repay the compile, a cold one or one from a compile cache that holds this run's artifacts; one line
+    either way.
     Returns the key to record once a compiled run has trained (`remember_compiled`), None for an eager one."""
     t = args.training
     if not (t.do_train and plan.device == "cuda"):
@@ -305,18 +308,17 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
             return None
         if not plan.strategy.spec.supports("torch_compile_regions"):  # where it does not train correctly (ZeRO-3)
             return None
-        if was_compiled(key):
-            why = f"the compile cache ({compile_cache_dir()}) holds this model and batch from an earlier run"
-        elif steps >= COMPILE_PAYS_AFTER_STEPS:
-            why = f"{steps:,} steps repay it"
-        else:
+        warm = was_compiled(key)
+        pays = COMPILE_PAYS_AFTER_STEPS_WARM if warm else COMPILE_PAYS_AFTER_STEPS
+        if steps < pays:
             logger.warning(
-                "Regional compilation off: %s steps would not repay a first compile (it pays from %s, or from the "
-                "second run of a compiled model and batch; --torch_compile_regions true compiles anyway)",
-                f"{steps:,}", f"{COMPILE_PAYS_AFTER_STEPS:,}",
+                "Regional compilation off: %s steps would not repay the compile (it pays from %s steps, or %s where "
+                "the compile cache holds this model and batch%s; --torch_compile_regions true compiles anyway)",
+                f"{steps:,}", f"{COMPILE_PAYS_AFTER_STEPS:,}", COMPILE_PAYS_AFTER_STEPS_WARM, ", as it does" * warm,
             )  # fmt: skip
             return None
-        compile_regions(t)
+        why = f"{steps:,} steps repay it" + (f" from the compile cache ({compile_cache_dir()})" if warm else "")
+        compile_regions(t, after_init=True)
         eager_if_compile_fails()
         logger.warning(f"Regional compilation on: {why} (--torch_compile_regions false trains eagerly)")
     return key if t.torch_compile_regions else None
@@ -324,7 +326,7 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
 
 def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
     """A digest of what regional compilation's artifacts depend on: torch, Triton, the GPU, the model as built
-    (architecture, LoRA, patch dropout), the batches, precision, checkpointing and strategy. Inductor keys its own
+    (architecture, LoRA, patch dropout), the batches, precision (TF32 too), checkpointing and strategy. Inductor keys its own
     artifacts by graph, so a key that matches wrongly costs a cold compile, never a wrong result."""
     import hashlib
 
@@ -340,7 +342,7 @@ def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
     t = args.training
     parts = [torch.__version__, triton_version, torch.cuda.get_device_name(), repr(model), config,
              t.per_device_train_batch_size, t.per_device_eval_batch_size, plan.precision,
-             bool(t.gradient_checkpointing), plan.strategy.name, args.augment.patch_dropout]  # fmt: skip
+             t.tf32, bool(t.gradient_checkpointing), plan.strategy.name, args.augment.patch_dropout]  # fmt: skip
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -362,8 +364,8 @@ def was_compiled(key: str) -> bool:
 
 
 def remember_compiled(key: str | None) -> None:
-    """Record that the compile cache now holds a compiled run's artifacts (the 50 newest kept), so the same model
-    and batch compile by default next time, whatever the number of steps."""
+    """Record that the compile cache now holds a compiled run's artifacts (the 50 newest kept): the same model and
+    batch compile by default from COMPILE_PAYS_AFTER_STEPS_WARM steps next time."""
     if not key:
         return
     keys = {k: v for k, v in _compiled_keys().items() if k != key}
