@@ -118,8 +118,8 @@ def test_readme_strategy_table_is_the_strategy_table():
 def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatch, caplog):
     """Unset, --torch_compile_regions turns on for training on a CUDA GPU when the run is long enough to repay the
     compile: a cold one, or a cheaper one where an earlier compiled run of the same model and batch filled the compile
-    cache; never on the CPU or under ZeRO-3. One line says which. Compiled runs keep inductor's caches under the Hugging Face cache unless
-    TORCHINDUCTOR_CACHE_DIR says where."""
+    cache; never on the CPU or under ZeRO-3. One line says which. Compiled runs keep inductor's caches under the
+    Hugging Face cache unless TORCHINDUCTOR_CACHE_DIR says where."""
     import torch
     import transformers.training_args
     from conftest import tiny_vit_config
@@ -133,6 +133,7 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
         decide_compile,
         planned_steps,
         remember_compiled,
+        was_compiled,
     )
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")  # restored after the test
@@ -184,6 +185,10 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
     assert resolved("cuda", medium, model=tiny)[:2] == (None, False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     assert resolved("cuda", medium)[:2] == (None, False)
+    # A cache is one machine's: over several machines, steps alone decide (each process reads its own machine's file)
+    plan = build_plan(parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path / "o")]))
+    two_machines = dataclasses.replace(plan.strategy, world_size=4, processes_per_node=2)
+    assert was_compiled(plan, key) and not was_compiled(dataclasses.replace(plan, strategy=two_machines), key)
     assert resolved("cuda", long, "--torch_compile_regions", "false")[:2] == (False, False)
     assert resolved("cuda", short, "--torch_compile_regions", "true")[:2] == (True, True)  # asked for: no rule
     zero3 = ("--deepspeed", str(ROOT / "ds_configs/zero3.json"))

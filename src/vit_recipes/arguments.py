@@ -321,7 +321,8 @@ class RecipeTrainingArguments(TrainingArguments):
         "compilation, also under DeepSpeed and FSDP2) and the rest of the model apart, instead of the whole model at "
         "once. Implies --torch_compile; --torch_compile_backend/--torch_compile_mode apply. Unset: on when training "
         "on a CUDA GPU under a strategy that allows it and the run repays the compile (1,000+ planned steps, or 400+ "
-        "where the compile cache holds this model and batch from an earlier compiled run); false: eager. A compilation that fails runs eagerly, with one warning.",
+        "where the compile cache holds this model and batch from an earlier compiled run on this machine); false: "
+        "eager. A compilation that fails runs eagerly, with one warning.",
     )
     layer_decay: float = _arg(
         1.0,

@@ -299,7 +299,7 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
     either way.
     Returns the key to record once a compiled run has trained (`remember_compiled`), None for an eager one."""
     t = args.training
-    if not (t.do_train and plan.device == "cuda"):
+    if not (t.do_train and plan.device == "cuda") or t.torch_compile_regions is False:
         return None
     key = compile_key(plan, args, model)
     if t.torch_compile_regions is None:
@@ -308,7 +308,7 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
             return None
         if not plan.strategy.spec.supports("torch_compile_regions"):  # where it does not train correctly (ZeRO-3)
             return None
-        warm = was_compiled(key)
+        warm = was_compiled(plan, key)
         pays = COMPILE_PAYS_AFTER_STEPS_WARM if warm else COMPILE_PAYS_AFTER_STEPS
         if steps < pays:
             logger.warning(
@@ -326,8 +326,8 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
 
 def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
     """A digest of what regional compilation's artifacts depend on: torch, Triton, the GPU, the model as built
-    (architecture, LoRA, patch dropout), the batches, precision (TF32 too), checkpointing and strategy. Inductor keys its own
-    artifacts by graph, so a key that matches wrongly costs a cold compile, never a wrong result."""
+    (architecture, LoRA, patch dropout), the batches, precision (TF32 too), checkpointing and strategy. Inductor keys
+    its own artifacts by graph, so a key that matches wrongly costs a cold compile, never a wrong result."""
     import hashlib
 
     import torch
@@ -352,15 +352,12 @@ def _compiled_keys() -> dict:
     return {}
 
 
-def was_compiled(key: str) -> bool:
-    """Whether the compile cache holds this key's artifacts, as the first process reads it: every process decides
-    the same (nodes need not share a cache)."""
-    import torch.distributed as dist
-
-    held = [key in _compiled_keys() and not is_true(os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES"))]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(held, src=0)
-    return held[0]
+def was_compiled(plan: RunPlan, key: str) -> bool:
+    """Whether the compile cache holds this key's artifacts. Runs on one machine only: every process reads the same
+    file before any writes it (after training), so all decide alike; machines need not share a cache."""
+    single_node = plan.strategy.world_size == plan.strategy.processes_per_node
+    disabled = is_true(os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES"))
+    return single_node and not disabled and key in _compiled_keys()
 
 
 def remember_compiled(key: str | None) -> None:
