@@ -24,14 +24,7 @@ from vit_recipes.fp8 import convert_to_fp8
 from vit_recipes.interrupt import RunInterrupted
 from vit_recipes.modeling import build_finetune_model, mean_std
 from vit_recipes.patch_dropout import add_patch_dropout
-from vit_recipes.plan import (
-    build_plan,
-    configure,
-    decide_compile,
-    planned_steps,
-    remember_compiled,
-    warn_if_warmup_outlasts_the_run,
-)
+from vit_recipes.plan import build_plan, configure, decide_compile, planned_steps, warn_if_warmup_outlasts_the_run
 from vit_recipes.steps import (
     build_trainer,
     evaluate,
@@ -86,9 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
             splits = decode_splits(splits, image_size, args.data.storage_size, args.data.preprocessing_num_workers)
     timeline.mark("decode")
 
-    # 6. Trainer: regional compilation where it pays (the steps are known now, and whether the compile cache holds
-    #    this model and batch; so is a warm-up longer than the run), device transforms, metrics, speed meter,
-    #    trackers, profiler; DeepSpeed/FSDP set-up.
+    # 6. Trainer: regional compilation where it pays (steps known now, and a warm compile cache; so is a warm-up
+    #    longer than the run), device transforms, metrics, speed meter, trackers, profiler; DeepSpeed/FSDP set-up.
     steps = planned_steps(training, len(splits.train), plan.global_batch) if training.do_train else 0
     compiled = decide_compile(plan, args, steps, model)
     warn_if_warmup_outlasts_the_run(training, steps)
@@ -98,9 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     # 7. Train and save the final model, with what pipeline() needs next to it.
     results = {}
     if training.do_train:
-        results.update(train(trainer, plan, splits, finetune, meter, timeline.phases["decode"]))
-        if trainer.is_world_process_zero():
-            remember_compiled(compiled)  # the next run of this model and batch compiles from the cache
+        results.update(train(trainer, plan, splits, finetune, meter, timeline.phases["decode"], compiled))
         timeline.mark("train")  # includes the first steps' warm-up and checkpoint saves
     if training.do_train or training.do_eval:  # a run that only predicts writes predictions.csv alone
         save_model_files(trainer, args, splits, image_size, mean, std)

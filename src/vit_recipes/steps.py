@@ -39,7 +39,7 @@ from .meter import SpeedMeter
 from .metrics import make_compute_metrics
 from .modeling import FinetuneSetup, evaluation_processor
 from .observability import attach as attach_observability
-from .plan import RunPlan
+from .plan import RunPlan, remember_compiled
 from .plots import write_plots
 from .reports import write_reports
 from .run_dir import LOSS_RECORD, read_loss_record, record_run
@@ -136,9 +136,16 @@ def build_trainer(
 
 
 def train(
-    trainer, plan: RunPlan, splits: ImageSplits, finetune: FinetuneSetup, meter: SpeedMeter, decode_seconds: float
+    trainer,
+    plan: RunPlan,
+    splits: ImageSplits,
+    finetune: FinetuneSetup,
+    meter: SpeedMeter,
+    decode_seconds: float,
+    compiled: str | None = None,
 ) -> dict:
-    """Train (resuming the plan's checkpoint), save the final model, and return the train metrics."""
+    """Train (resuming the plan's checkpoint), save the final model, and return the train metrics. `compiled`: the
+    compile-cache key of a compiled run (`decide_compile`), recorded once it has trained."""
     output_dir = trainer.args.output_dir
     if trainer.is_world_process_zero():
         record_run(output_dir, plan.identity)
@@ -149,6 +156,8 @@ def train(
     elif plan.resume_from:
         logger.warning("%s has no %s: train_loss covers the steps after it only", plan.resume_from, LOSS_RECORD)
     train_result = trainer.train(resume_from_checkpoint=plan.resume_from)
+    if trainer.is_world_process_zero():
+        remember_compiled(compiled)  # the next run of this model and batch compiles from the cache
     # Under DeepSpeed/FSDP this gathers a plain, loadable model; LoRA: the adapter, or the merged model.
     save_final_model(trainer, finetune)
     metrics = {**train_result.metrics, **meter.metrics(), **finetune.metrics}  # + trainable/total parameters
