@@ -190,6 +190,7 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
     two_machines = dataclasses.replace(plan.strategy, world_size=4, processes_per_node=2)
     assert was_compiled(plan, key) and not was_compiled(dataclasses.replace(plan, strategy=two_machines), key)
     assert resolved("cuda", long, "--torch_compile_regions", "false")[:2] == (False, False)
+    assert resolved("cuda", long, "--torch_compile", "true")[:3] == (None, True, [])  # the whole model, as asked
     assert resolved("cuda", short, "--torch_compile_regions", "true")[:2] == (True, True)  # asked for: no rule
     zero3 = ("--deepspeed", str(ROOT / "ds_configs/zero3.json"))
     assert resolved("cuda", long, *zero3)[:2] == (None, False)  # refused under ZeRO-3: the default stays eager

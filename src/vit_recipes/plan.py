@@ -302,7 +302,7 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
     if not (t.do_train and plan.device == "cuda") or t.torch_compile_regions is False:
         return None
     key = compile_key(plan, args, model)
-    if t.torch_compile_regions is None:
+    if t.torch_compile_regions is None and not t.torch_compile:  # --torch_compile alone: the whole model, as asked
         if t.fp8 and t.fp8_backend == "transformer_engine":
             logger.warning("Regional compilation off: Transformer Engine's FP8 layers run eagerly")
             return None
