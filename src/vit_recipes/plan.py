@@ -298,30 +298,29 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
     enough to repay the compile, a cold one or one from a compile cache that holds this run's artifacts; one line
     either way.
     Returns the key to record once a compiled run has trained (`remember_compiled`), None for an eager one."""
-    t = args.training
+    t, key = args.training, None
     if not (t.do_train and plan.device == "cuda") or t.torch_compile_regions is False:
         return None
-    key = compile_key(plan, args, model)
     if t.torch_compile_regions is None and not t.torch_compile:  # --torch_compile alone: the whole model, as asked
         if t.fp8 and t.fp8_backend == "transformer_engine":
             logger.warning("Regional compilation off: Transformer Engine's FP8 layers run eagerly")
             return None
         if not plan.strategy.spec.supports("torch_compile_regions"):  # where it does not train correctly (ZeRO-3)
             return None
-        warm = was_compiled(plan, key)
-        pays = COMPILE_PAYS_AFTER_STEPS_WARM if warm else COMPILE_PAYS_AFTER_STEPS
-        if steps < pays:
+        key = compile_key(plan, args, model) if steps >= COMPILE_PAYS_AFTER_STEPS_WARM else None  # short: no need
+        warm = key is not None and was_compiled(plan, key)
+        if steps < (COMPILE_PAYS_AFTER_STEPS_WARM if warm else COMPILE_PAYS_AFTER_STEPS):
             logger.warning(
                 "Regional compilation off: %s steps would not repay the compile (it pays from %s steps, or %s where "
-                "the compile cache holds this model and batch%s; --torch_compile_regions true compiles anyway)",
-                f"{steps:,}", f"{COMPILE_PAYS_AFTER_STEPS:,}", COMPILE_PAYS_AFTER_STEPS_WARM, ", as it does" * warm,
+                "the compile cache holds this model and batch; --torch_compile_regions true compiles anyway)",
+                f"{steps:,}", f"{COMPILE_PAYS_AFTER_STEPS:,}", COMPILE_PAYS_AFTER_STEPS_WARM,
             )  # fmt: skip
             return None
         why = f"{steps:,} steps repay it" + (f" from the compile cache ({compile_cache_dir()})" if warm else "")
         compile_regions(t, after_init=True)
         eager_if_compile_fails()
         logger.warning(f"Regional compilation on: {why} (--torch_compile_regions false trains eagerly)")
-    return key if t.torch_compile_regions else None
+    return (key or compile_key(plan, args, model)) if t.torch_compile_regions else None
 
 
 def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
@@ -329,14 +328,13 @@ def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
     (architecture, LoRA, patch dropout), the batches, precision (TF32 too), checkpointing and strategy. Inductor keys
     its own artifacts by graph, so a key that matches wrongly costs a cold compile, never a wrong result."""
     import hashlib
+    from importlib.metadata import PackageNotFoundError, version
 
     import torch
 
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
+    try:  # the installed version, without importing Triton (a short eager run never needs it)
+        triton_version = version("triton")
+    except PackageNotFoundError:
         triton_version = None
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("id2label", "label2id", "_name_or_path")}
     t = args.training
