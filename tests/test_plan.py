@@ -185,6 +185,9 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
     assert resolved("cuda", medium, model=tiny)[:2] == (None, False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     assert resolved("cuda", medium)[:2] == (None, False)
+    (cache / "vit_recipes_compiled.json").write_text("[]")  # not a record we wrote: nothing is warm, nothing fails
+    assert resolved("cuda", medium)[:2] == (None, False)
+    remember_compiled(key)
     # A cache is one machine's: over several machines, steps alone decide (each process reads its own machine's file)
     plan = build_plan(parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path / "o")]))
     two_machines = dataclasses.replace(plan.strategy, world_size=4, processes_per_node=2)

@@ -345,8 +345,9 @@ def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
 
 
 def _compiled_keys() -> dict:
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads(Path(compile_cache_dir(), COMPILED_RECORD).read_text())
+    with contextlib.suppress(OSError, ValueError):  # none yet, or unreadable: no key is warm
+        keys = json.loads(Path(compile_cache_dir(), COMPILED_RECORD).read_text())
+        return keys if isinstance(keys, dict) else {}
     return {}
 
 
@@ -368,8 +369,9 @@ def remember_compiled(key: str | None) -> None:
     path = Path(compile_cache_dir(), COMPILED_RECORD)
     with contextlib.suppress(OSError):  # a read-only cache: later runs decide by steps alone
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps(keys, indent=1))
-        path.with_suffix(".tmp").replace(path)  # whole or not at all: runs sharing a cache may read it meanwhile
+        mine = path.with_suffix(f".{os.getpid()}.tmp")
+        mine.write_text(json.dumps(keys, indent=1))
+        mine.replace(path)  # whole or not at all: runs sharing a cache may read or write it meanwhile
 
 
 def warn_if_warmup_outlasts_the_run(t, steps: int) -> None:
