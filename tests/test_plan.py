@@ -174,6 +174,8 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
     # The same TF32 setting as a compile asked for (TrainingArguments' rule), so both compute and cache the same graphs
     assert tf32_on == resolved("cuda", short, "--torch_compile_regions", "true")[4] == [True]
     assert resolved("cuda", short)[4] == []
+    # asked off: TrainingArguments turns it off, and the plan leaves it so
+    assert resolved("cuda", long, "--tf32", "false", "--bf16", "true")[4] == [False]
     # Once that run has trained, the same model and batch compile from fewer steps; another batch, model or GPU not
     remember_compiled(key)
     assert resolved("cuda", medium)[:3] == (True, True, [

@@ -259,9 +259,10 @@ def compile_regions(t, regions: bool = True, after_init: bool = False) -> None:
     """Turn on (regional) torch.compile in TrainingArguments `t`, from __post_init__ or, `after_init`, once the plan
     knows the device and steps."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()
-    if after_init and (t.tf32 is None and not t.fp16 or t.bf16) and is_torch_tf32_available():
-        # TrainingArguments' __post_init__ turns TF32 matmuls on for compiled runs, but it ran with compilation off:
-        # its rule, applied now, so a compile decided here computes (and caches) what --torch_compile_regions true does
+    if after_init and t.tf32 is not False and (t.tf32 is None and not t.fp16 or t.bf16) and is_torch_tf32_available():
+        # TrainingArguments' __post_init__ turns TF32 matmuls on for compiled runs (unless --tf32 false), but it ran
+        # with compilation off: its rule, applied now, so a compile decided here computes (and caches) what
+        # --torch_compile_regions true does
         enable_tf32(True)
         align_matmul_precision()
     if regions:  # the Trainer builds accelerate's TorchDynamoPlugin without this option; the plugin reads it here
