@@ -13,8 +13,8 @@ and datasets caches: a new machine) and warm (the same command again, into a new
 
 `ours-compiled` runs (`--torch_compile_regions true`, cold then warm) measure what regional compilation costs once
 and saves per step: the data behind the default's "compile only where it pays" rule. `ours-after-compiled` is the
-command as typed, run after a compiled run of the same model and batch (their caches): the rule's second case, where
-the compile cache already holds the artifacts and the run compiles whatever its steps.
+command as typed, run after a compiled run of the same model and batch (their caches): what the rule decides where
+the compile cache holds the artifacts (it compiles from 400 planned steps there; these jobs are shorter).
 
 Each job's wall clock is measured here (process start to exit); its phases come from all_results.json (ours: the
 timeline every run records; the peer: start-up to the first step, train, evaluate, save), and the steady img/s and
