@@ -60,6 +60,12 @@ def test_the_plan_runs_the_readme_commands_on_every_gpu(acceptance, tmp_path, gp
         assert "deepspeed --master_port" in " ".join(suite.jobs["to1-zero2"].argv)
         assert "--num_gpus 1" in command(suite, "to1-zero2") and suite.jobs["to1-zero2"].gpus == 1
         assert suite.jobs["from1-fsdp2"].seed_from == tmp_path / "one-fsdp2"
+    # The warm-up runs: the same command with the recipe's schedule restored (the last flag wins), no checkpoints
+    warm = command(suite, "warmup-zero2")
+    assert "run_image_classification.py --deepspeed ds_configs/zero2.json --config " in warm
+    assert warm.endswith(
+        "--warmup_steps 500 --lr_scheduler_type cosine --save_strategy no --torch_compile_regions false"
+    )
     # Numerics runs train eagerly; the default command keeps the GPU default (regional compilation)
     assert "--torch_compile_regions false" in command(suite, "fsdp2")
     assert "--torch_compile_regions" not in command(suite, "default")
@@ -88,6 +94,7 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
         if job.output is not None:
             fake_run(job.output, base)
     fake_run(tmp_path / "to1-zero2", {s: v * (1.05 if s > 20 else 1) for s, v in base.items()})  # drifts 5%
+    fake_run(tmp_path / "warmup-zero2", {s: v * 1.05 for s, v in base.items()})  # learns slower in the warm-up
     suite.jobs["kill-ddp"].result = {"exit": 0}  # finished before the kill
     killed = {"exit": -9, "killed_pids": [1, 2, 3], "killed_at": ["checkpoint-10"], "alive_after_kill": []}
     # the launcher died, its workers (each in a session of its own) trained on: the suite's own bug once
@@ -138,6 +145,8 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     )
     assert rows["zero3: 2 -> 1 refused in one line"]["status"] == "FAIL"  # it "succeeded": no refusal line
     assert "zero3: loss at step 30 within 3% of DDP's" not in failed
+    warmup = "under the recipe's warm-up, loss at steps 11-30 within 3% of DDP's (mean)"
+    assert f"zero2: {warmup}" in failed and rows[f"zero3: {warmup}"]["status"] == "PASS"
 
 
 def test_two_calls_make_one_record(acceptance, tmp_path):
@@ -184,7 +193,8 @@ def test_the_compile_checks_read_the_line_after_the_log_prefix_and_the_card(acce
     """The default command, short: eager (card) and its one WARNING line, as the logger prints it; asked for,
     compiled (card). A short default that compiled, or a line missing, fails."""
     suite = suite_for(acceptance, 1, tmp_path, parts=["single"])
-    suite.jobs = {name: job for name, job in suite.jobs.items() if name in ("default", "compiled")}
+    suite.jobs = {name: job for name, job in suite.jobs.items() if name in ("default", "compiled", "default-again")}
+    assert suite.jobs["default-again"].needs == ("compiled",)  # the cache that run fills
     for job in suite.jobs.values():
         job.result = {"exit": 0}
     (tmp_path / "logs").mkdir()
@@ -197,9 +207,14 @@ def test_the_compile_checks_read_the_line_after_the_log_prefix_and_the_card(acce
     off = "Regional compilation off: 30 steps would not repay the compile (it pays from 1,000; ...)"
     run("default", False, off)
     run("compiled", True, "")
+    again = "the default command, 400 steps after a compiled run: compiles from the cache, and one line says so"
+    run("default-again", True, "Regional compilation on: 400 steps repay it from the compile cache (/c) (...)")
     rows = {r["check"]: r["status"] for r in acceptance.check(suite)}
     assert rows["the default command, short: eager, and one line says why"] == "PASS"
     assert rows["--torch_compile_regions true: trains compiled (the card says so)"] == "PASS"
+    assert rows[again] == "PASS"
+    run("default-again", True, "Regional compilation on: 400 steps repay it (...)")  # compiled cold: the cache missed
+    assert {r["check"]: r["status"] for r in acceptance.check(suite)}[again] == "FAIL"
     run("default", True, "Regional compilation on: 30 steps repay it")
     run("compiled", False, "")
     rows = {r["check"]: r["status"] for r in acceptance.check(suite)}
