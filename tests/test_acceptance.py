@@ -146,7 +146,8 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     assert rows["zero3: 2 -> 1 refused in one line"]["status"] == "FAIL"  # it "succeeded": no refusal line
     assert "zero3: loss at step 30 within 3% of DDP's" not in failed
     warmup = "under the recipe's warm-up, loss at steps 11-30 within 3% of DDP's (mean)"
-    assert f"zero2: {warmup}" in failed and rows[f"zero3: {warmup}"]["status"] == "PASS"
+    assert f"zero2: {warmup}" in failed and rows[f"zero3: {warmup}"]["status"] == rows[f"fsdp2: {warmup}"]["status"]
+    assert rows[f"zero3: {warmup}"]["status"] == "PASS"
 
 
 def test_two_calls_make_one_record(acceptance, tmp_path):
