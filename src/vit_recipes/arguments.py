@@ -247,6 +247,13 @@ def resolve_report_to(report_to):
     return names[0] if len(names) == 1 else names
 
 
+def set_checkpointing(t, on: bool) -> None:
+    """Gradient checkpointing on or off after TrainingArguments' __post_init__, under both names (5.2x: the new one)."""
+    t.gradient_checkpointing = on
+    if hasattr(t, "activation_checkpointing"):
+        t.activation_checkpointing = on
+
+
 def compile_cache_dir() -> str:
     """Where torch.compile's caches live: TORCHINDUCTOR_CACHE_DIR, else under the Hugging Face cache (inductor's own
     default, /tmp, goes with the machine or container). Inductor keys each artifact by torch, Triton, GPU and graph."""

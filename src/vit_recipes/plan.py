@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import strategies
-from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config
+from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config, set_checkpointing
 from .checks import check_plan, config_value, deepspeed_checkpoint_world_size
 from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
@@ -231,9 +231,7 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
     mine = by_name[rows[-1]]
     if t.checkpointing_by_memory:
         on = mine.total > budget
-        t.gradient_checkpointing = on
-        if hasattr(t, "activation_checkpointing"):  # the new name (transformers 5.2x)
-            t.activation_checkpointing = on
+        set_checkpointing(t, on)
         (logger.warning if on else logger.info)(  # on changes the run (slower steps); off is what it would be
             f"Gradient checkpointing {'on' if on else 'off'}: batch {batch} needs about {gib(mine.total)} GiB per GPU "
             f"without it ({strategy.spec.label}), {'over' if on else 'within'} {FITS_WITHIN:.0%} of this GPU's "
@@ -408,9 +406,7 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
         elif isinstance(getattr(t, "fsdp_plugin_args", None), dict):
             t.fsdp_plugin_args["activation_checkpointing"] = True
         logger.info("Gradient checkpointing runs as FSDP activation checkpointing (the model's own is switched off)")
-        t.gradient_checkpointing = False
-        if hasattr(t, "activation_checkpointing"):
-            t.activation_checkpointing = False
+        set_checkpointing(t, False)
     if strategy.deepspeed:
         bind_deepspeed_comm()
     if t.torch_compile:  # asked for; unset, decide_compile chooses once the number of steps is known
