@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from vit_recipes.memory import AUTOCAST  # noqa: E402
 from vit_recipes.strategies import BY_NAME  # noqa: E402
 
 PARTS = ("strategies", "kill", "resume", "single", "vith")
@@ -79,7 +80,7 @@ STRATEGY_RUNS = {
 # strategy that keeps bf16 weights (DeepSpeed's bf16 mode) loses the small updates that DDP's fp32 weights keep:
 # benchmarks/results/2026-11-27_zero_precision_2xH200 measured ZeRO-2/3 up to 8% above DDP's loss there.
 WARM_STEPS = 400  # vit_recipes.plan.COMPILE_PAYS_AFTER_STEPS_WARM: a run this long compiles from a warm cache
-WARMUP = ("ddp", "zero2", "zero3", "fsdp2")  # FSDP2: its mixed precision, not yet compared under the warm-up
+WARMUP = ("ddp", "zero2", "zero3", "zeropp", "fsdp2")
 WARMUP_ARGS = ("--warmup_steps", "500", "--lr_scheduler_type", "cosine", "--save_strategy", "no")
 KILLED = ("ddp", "zero2", "zero3", "fsdp2")
 SIGNALLED = ("ddp", "zero2")  # SIGTERM through each launcher: torchrun forwards it, DeepSpeed's workers get it too
@@ -529,6 +530,11 @@ def check(suite: Suite) -> list[dict]:
                     f"parameters {'sharded' if sharded else 'whole'}", name, ok,
                     f"world {sorted(world)}, wrappers {sorted(wrappers)}, stages {sorted(stages, key=str)}, "
                     f"parameters per rank {local} of {full}")  # fmt: skip
+            if name in AUTOCAST and reports:  # the shipped ZeRO configs: DeepSpeed autocasts over fp32 weights
+                want = (None if suite.cpu else "bfloat16", "float32")  # the CPU runs train in fp32
+                got = {(r.get("deepspeed_autocast"), r.get("param_dtype")) for r in reports}
+                add("strategies", f"{name}: DeepSpeed's autocast {want[0]}, weights {want[1]}", name, got == {want},
+                    f"(autocast, weights) per rank: {sorted(got, key=str)}")  # fmt: skip
             if name != "ddp" and suite.jobs["ddp"].result.get("exit") == 0:
                 rel, missing = max_rel(losses(w / name), losses(w / "ddp"), [STEPS])
                 add("strategies", f"{name}: loss at step {STEPS} within {LOSS_TOLERANCE:.0%} of DDP's", name,

@@ -126,6 +126,13 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     (tmp_path / "logs" / "resume-term-zero2.log").write_text(
         f"WARNING Resuming the run found in {tmp_path}/term-zero2 from {tmp_path}/term-zero2/checkpoint-12\n"
     )
+    for run, stage, autocast, dtype in (("zero1", 1, "bfloat16", "float32"), ("zero3", 3, None, "bfloat16")):
+        (tmp_path / run / "rank_reports").mkdir()  # ZeRO-3 in DeepSpeed's bf16 mode: bf16 weights, no autocast
+        for rank in (0, 1):
+            report = {"world_size": 2, "wrapper": "deepspeed.DeepSpeedEngine", "zero_stage": stage,
+                      "param_numel_local": 50, "param_numel_full": 100, "param_dtype": dtype,
+                      "deepspeed_autocast": autocast}  # fmt: skip
+            (tmp_path / run / "rank_reports" / f"rank{rank}.json").write_text(json.dumps(report))
     (tmp_path / "scores").mkdir()
     for s in acceptance.STRATEGY_RUNS:
         (tmp_path / "scores" / f"{s}.json").write_text(json.dumps({"accuracy": 0.4, "images": 1000}))
@@ -148,6 +155,8 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     warmup = "under the recipe's warm-up, loss at steps 11-30 within 3% of DDP's (mean)"
     assert f"zero2: {warmup}" in failed and rows[f"zero3: {warmup}"]["status"] == rows[f"fsdp2: {warmup}"]["status"]
     assert rows[f"zero3: {warmup}"]["status"] == "PASS"
+    autocast = "DeepSpeed's autocast bfloat16, weights float32"
+    assert rows[f"zero1: {autocast}"]["status"] == "PASS" and f"zero3: {autocast}" in failed
 
 
 def test_two_calls_make_one_record(acceptance, tmp_path):

@@ -62,12 +62,14 @@ def test_model_states_per_gpu_by_hand(shape):
     expected = {
         # accelerate: fp32 weights, fp32 + 16-bit gradients, Adam moments
         "ddp": (4 * P, 6 * P, 8 * P, 0),
-        # DeepSpeed: 16-bit params; 16-bit + fp32 gradient partitions; fp32 master + moments partitioned
-        "zero1": (2 * P, 2 * P + 4 * P / n, 12 * P / n, 0),
-        "zero2": (2 * P, 6 * P / n, 12 * P / n, 0),
+        # DeepSpeed's torch_autocast (the shipped ZeRO configs): fp32 params (ZeRO-3: own partition + two gathered
+        # layers; ZeRO++: + hpZ's copy within the node); fp32 gradients; fp32 master + moments partitioned
+        "zero1": (4 * P, 4 * P, 12 * P / n, 0),
+        "zero2": (4 * P, 4 * P / n, 12 * P / n, 0),
+        "zero3": (4 * P / n + 8 * LAYER, 4 * P / n, 12 * P / n, 0),
+        "zeropp": (4 * P / n + 8 * LAYER + 4 * P / n, 4 * P / n, 12 * P / n, 0),
+        # the offload configs, in DeepSpeed's bf16 mode: DeepSpeed's estimators (16-bit weights on the GPU)
         "zero2_offload": (2 * P, 0, 0, P * 16 * 1.5),
-        "zero3": (2 * P / n + 4 * LAYER, 4 * P / n, 12 * P / n, 0),
-        "zeropp": (2 * P / n + 4 * LAYER + 2 * P / n, 4 * P / n, 12 * P / n, 0),
         "zero3_offload": (4 * LAYER, 0, 0, P * 18 * 1.5),
         # FSDP2: accelerate's DDP figures sharded, plus two unsharded 16-bit layers in flight
         "fsdp2": (4 * P / n + 4 * LAYER, 6 * P / n, 8 * P / n, 0),
@@ -82,11 +84,11 @@ def test_totals_agree_with_deepspeeds_estimators(shape):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    got = {e.strategy.name: e for e in estimate(shape, 8, 4, nodes=2)}
-    _, zero2 = estimate_zero2_model_states_mem_needs(P, 4, 2, cpu_offload=False)
-    _, zero3, _ = estimate_zero3_model_states_mem_needs(P, LAYER, 4, 2, cpu_offload=False, cpu_offload_params=False)
-    assert got["zero2"].states == pytest.approx(zero2, abs=1)
-    assert got["zero3"].states == pytest.approx(zero3, abs=1)
+    got = {e.strategy.name: e for e in estimate(shape, 8, 4, nodes=2)}  # the 16-bit rows: the offload configs
+    host2, zero2 = estimate_zero2_model_states_mem_needs(P, 4, 2, cpu_offload=True)
+    host3, zero3, _ = estimate_zero3_model_states_mem_needs(P, LAYER, 4, 2, cpu_offload=True, cpu_offload_params=True)
+    assert (got["zero2_offload"].states, got["zero2_offload"].host_per_node) == pytest.approx((zero2, host2), abs=1)
+    assert (got["zero3_offload"].states, got["zero3_offload"].host_per_node) == pytest.approx((zero3, host3), abs=1)
 
 
 def test_fits_and_recommendation(shape):

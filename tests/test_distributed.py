@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
 from vit_recipes.launch import SHM_BUFFER_PREFIX
+from vit_recipes.memory import AUTOCAST
 
 CLASSES = 10
 STEPS = 20
@@ -558,6 +559,50 @@ def test_fixed_bf16_in_the_deepspeed_config_conflicts_with_fp16(tmp_path, monkey
         check("--deepspeed", fixed, "--use_cpu", "true", "--fp16", "true")
 
 
+def test_torch_autocast_fixed_in_the_deepspeed_config_conflicts_with_the_precision_asked_for(tmp_path):
+    with pytest.raises(RecipeError, match=r"torch_autocast.enabled=true vs --bf16/--fp16 false"):
+        check("--deepspeed", ds_file(tmp_path, torch_autocast__enabled=True), "--use_cpu", "true")
+    fp16 = ds_file(tmp_path, torch_autocast__enabled=True, torch_autocast__dtype="torch.float16")
+    with pytest.raises(RecipeError, match=r'torch_autocast.dtype="float16" vs --bf16 true'):
+        check("--deepspeed", fp16, "--use_cpu", "true", "--bf16", "true")
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "accelerate"])
+def test_bf16_goes_to_deepspeeds_autocast_and_the_trainers_is_off(launcher, monkeypatch, caplog):
+    """Under a shipped ZeRO config the Trainer's --bf16 would turn DeepSpeed's bf16 mode on (bf16 weights) beside
+    its torch_autocast: the plan fills torch_autocast's "auto" fields and switches the Trainer's off, in the dict
+    DeepSpeed gets (accelerate's plugin, built when the arguments were parsed, had switched bf16 on)."""
+    if launcher == "accelerate":
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds_configs/zero3.json")
+        args = parse("--use_cpu", "true", "--bf16", "true")
+    else:
+        args = parse("--deepspeed", "ds_configs/zero2.json", "--use_cpu", "true", "--bf16", "true")
+    from vit_recipes.plan import build_plan, configure
+
+    with caplog.at_level("INFO", logger="vit_recipes.plan"):
+        plan = build_plan(args)
+    configure(plan, args)
+    t, config = args.training, args.training.deepspeed_plugin.deepspeed_config
+    assert plan.precision == "bf16" and plan.strategy.autocast
+    assert "bf16 (DeepSpeed's torch_autocast, fp32 weights) on cpu" in caplog.text
+    assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert not config.get("bf16", {}).get("enabled") and not config.get("fp16", {}).get("enabled")
+    assert (t.bf16, t.fp16, t.mixed_precision) == (False, False, "no")
+
+
+@pytest.mark.slow
+def test_bf16_under_the_shipped_zero2_config_autocasts_over_fp32_weights(ten_classes, same_head_vit, tmp_path):
+    """The README's ZeRO-2 command with --bf16 true: DeepSpeed autocasts the forward to bf16 and keeps fp32 weights
+    (its bf16 mode would hold bf16 weights, which lose a warm-up's small updates: docs/distributed.md)."""
+    out = tmp_path / "zero2-bf16"
+    args = run_args(ten_classes, same_head_vit, out, "--deepspeed", "ds_configs/zero2.json",
+                    "--per_device_train_batch_size", 4, "--bf16", "true", steps=4)  # fmt: skip
+    launch("zero2 --bf16 true", deepspeed() + args)
+    for r in reports(out):
+        assert (r["precision"], r["param_dtype"], r.get("deepspeed_autocast")) == ("bf16", "float32", "bfloat16"), r
+
+
 def test_fp16_on_the_cpu_is_refused():
     with pytest.raises(RecipeError, match="fp16 needs a GPU"):
         check("--use_cpu", "true", "--fp16", "true")
@@ -881,8 +926,11 @@ def test_deepspeed_configs_let_the_arguments_decide(path):
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         assert config[key] == "auto", key
     assert config["gradient_clipping"] == "auto"
-    assert config["bf16"]["enabled"] == "auto" and config["fp16"]["enabled"] == "auto"
-    assert config["fp16"]["loss_scale"] == 0, "fp16 uses dynamic loss scaling"
+    if path.stem in AUTOCAST:  # fp32 weights under DeepSpeed's autocast, as under DDP; the plan fills both fields
+        assert config["torch_autocast"] == {"enabled": "auto", "dtype": "auto"} and "bf16" not in config
+    else:  # the offload configs: DeepSpeed's bf16/fp16 mode (16-bit weights on the GPU)
+        assert config["bf16"]["enabled"] == "auto" and config["fp16"]["enabled"] == "auto"
+        assert config["fp16"]["loss_scale"] == 0, "fp16 uses dynamic loss scaling"
     zero = config["zero_optimization"]
     if zero["stage"] == 3:
         assert zero["stage3_gather_16bit_weights_on_model_save"] is True, "save a plain model"

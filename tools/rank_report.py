@@ -97,6 +97,8 @@ def rank_report(trainer, precision: str) -> dict[str, Any]:
         report["offload_optimizer"] = bool(wrapped.zero_offload_optimizer())
         report["offload_param"] = bool(wrapped.zero_offload_param())
         report["gradients_partitioned"] = bool(wrapped.zero_optimization_partition_gradients())
+        if wrapped.torch_autocast_enabled():  # DeepSpeed's own autocast, over fp32 weights
+            report["deepspeed_autocast"] = str(wrapped.torch_autocast_dtype()).replace("torch.", "")
         from deepspeed.utils import get_z3_leaf_modules
 
         report["zero3_leaf_modules"] = sorted({type(m).__name__ for m in get_z3_leaf_modules(wrapped.module)})

@@ -132,12 +132,17 @@ def deepspeed_conflicts(config: dict, t, global_batch: int, world_size: int) -> 
         ("scheduler.params.warmup_max_lr", t.learning_rate, "--learning_rate"),
         ("fp16.enabled", bool(t.fp16), "--fp16"),
         ("bf16.enabled", bool(t.bf16), "--bf16"),
+        ("torch_autocast.enabled", bool(t.fp16 or t.bf16), "--bf16/--fp16"),
     ]
     out = []
     for key, value, flag in checks:
         if (fixed := config_value(config, key)) not in (None, "auto") and not _same(fixed, value):
             shown = str(value).lower() if isinstance(value, bool) else value
             out.append(f"{key}={json.dumps(fixed)} vs {flag} {shown}")
+    dtype = str(config_value(config, "torch_autocast.dtype") or "auto").lower().removeprefix("torch.")
+    spelled = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)  # DeepSpeed's spellings
+    if (t.fp16 or t.bf16) and dtype != "auto" and spelled != ("float16" if t.fp16 else "bfloat16"):
+        out.append(f"torch_autocast.dtype={json.dumps(dtype)} vs --{'fp16' if t.fp16 else 'bf16'} true")
     return out
 
 

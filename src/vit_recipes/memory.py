@@ -221,43 +221,33 @@ def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, pr
         if key == "fsdp2":
             return ddp["model"] / n + in_flight, ddp["gradients"] / n, ddp["optimizer"] / n, 0.0
         return in_flight, in_flight / 2, 0.0, fsdp2_offload_host(P, nodes)
-    if precision == "fp32":  # DeepSpeed's estimators assume 16-bit training; the same partitioning in fp32
+    if precision == "fp32" or key in AUTOCAST:  # DeepSpeed's estimators assume 16-bit weights
         return _zero_fp32(key, P, L, n, gpus_per_node, nodes)
-    # DeepSpeed's totals, split the way it counts them: 16-bit params, 16-bit + fp32 gradients, fp32 master + Adam
-    optimizer = 12 * P / n
-    if key in ("zero1", "zero2"):
-        _, gpu = zero2_states(P, gpus_per_node, nodes, offload=False)
-        params = 2 * P
-        grads = gpu - params - optimizer  # 2P/N 16-bit + 4P/N fp32
-        if key == "zero1":
-            grads += 2 * P - 2 * P / n  # ZeRO-1 keeps the full 16-bit gradients
-        return params, grads, optimizer, 0.0
-    if key == "zero2_offload":
+    if key == "zero2_offload":  # DeepSpeed's bf16 mode: 16-bit weights on the GPU, the rest in host memory
         host, gpu = zero2_states(P, gpus_per_node, nodes, offload=True)
         return float(gpu), 0.0, 0.0, float(host)
-    if key in ("zero3", "zeropp"):
-        _, gpu, largest = zero3_states(P, L, gpus_per_node, nodes, offload=False)
-        params = 2 * P / n + largest  # own partition + the gathered layers in flight
-        grads = gpu - params - optimizer  # 4P/N fp32
-        if key == "zeropp":
-            params += 2 * P / gpus_per_node  # hpZ: a secondary 16-bit partition within the node
-        return params, grads, optimizer, 0.0
     if key == "zero3_offload":
         host, gpu, _ = zero3_states(P, L, gpus_per_node, nodes, offload=True)
         return float(gpu), 0.0, 0.0, float(host)
     raise KeyError(key)
 
 
+# The shipped configs of these train under DeepSpeed's torch_autocast (fp32 weights; tests check ds_configs/); its
+# offload configs keep the bf16 mode, 16-bit weights on the GPU.
+AUTOCAST = ("zero1", "zero2", "zero3", "zeropp")
+
+
 def _zero_fp32(key, P, L, n, gpus_per_node, nodes):
+    """fp32 weights: as DeepSpeed partitions them, with its fp32 master copy (4P/N) beside Adam's moments."""
     if key == "zero1":
-        return 4 * P, 4 * P, 8 * P / n, 0.0
+        return 4 * P, 4 * P, 12 * P / n, 0.0
     if key == "zero2":
-        return 4 * P, 4 * P / n, 8 * P / n, 0.0
+        return 4 * P, 4 * P / n, 12 * P / n, 0.0
     if key == "zero2_offload":
         return 4 * P, 0.0, 0.0, (4 + 8) * P / nodes * BUFFER
     if key in ("zero3", "zeropp"):
         extra = 4 * P / gpus_per_node if key == "zeropp" else 0
-        return 4 * P / n + 8 * L + extra, 4 * P / n, 8 * P / n, 0.0
+        return 4 * P / n + 8 * L + extra, 4 * P / n, 12 * P / n, 0.0
     if key == "zero3_offload":
         return 8 * L, 0.0, 0.0, (4 + 4 + 8) * P / nodes * BUFFER
     raise KeyError(key)

@@ -57,6 +57,7 @@ class Strategy:
     fsdp_wrap: tuple[str, ...] | None  # layer classes to wrap (None: accelerate's default, _no_split_modules)
     offload_optimizer: bool  # optimizer states live in host memory
     offload_params: bool  # parameters live in host memory
+    autocast: bool  # DeepSpeed's torch_autocast (fp32 weights, as under DDP), not its bf16/fp16 mode (16-bit weights)
 
     @property
     def name(self) -> str:
@@ -134,6 +135,7 @@ def read_strategy(training_args) -> Strategy:
         fsdp_wrap=tuple(n.strip() for n in wrap if n.strip()) if wrap else None,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
+        autocast=str(config_value(deepspeed, "torch_autocast.enabled")).lower() in ("auto", "true", "1"),
     )
 
 
@@ -195,9 +197,12 @@ def build_plan(args: RunArguments) -> RunPlan:
     plan = RunPlan(strategy, precision, device, global_batch, resolve_output_dir(t, identity), identity)
     check_plan(plan, args)
     spec, resumed = strategy.spec, f" from {plan.resume_from}" if plan.resume_from else ""
+    weights = ""  # DeepSpeed's two ways to train in 16 bits (docs/distributed.md, "Precision under DeepSpeed")
+    if strategy.deepspeed and precision != "fp32":
+        weights = " (DeepSpeed's torch_autocast, fp32 weights)" if strategy.autocast else " (16-bit weights)"
     logger.info(
-        f"Plan: {spec.label} on {strategy.world_size} process(es) (sharded: {spec.shards}), {plan.precision} on "
-        f"{plan.device}, global batch {global_batch}, output dir {plan.output.state}{resumed}"
+        f"Plan: {spec.label} on {strategy.world_size} process(es) (sharded: {spec.shards}), {plan.precision}{weights} "
+        f"on {plan.device}, global batch {global_batch}, output dir {plan.output.state}{resumed}"
     )
     return plan
 
@@ -252,6 +257,24 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
             "strategy', has measured speeds)"
         )
     return strategy
+
+
+def hand_precision_to_deepspeed(t, precision: str) -> None:
+    """A DeepSpeed config with `torch_autocast` (ds_configs/zero1-3, zeropp): DeepSpeed autocasts the forward over fp32
+    weights, as DDP does under the Trainer's --bf16. The Trainer's own bf16/fp16 would switch DeepSpeed's bf16/fp16
+    mode on as well (16-bit weights, which lose a warm-up's small updates: docs/distributed.md), so the precision the
+    arguments ask for goes to `torch_autocast` ("auto" fields) and the Trainer's is switched off."""
+    config = t.deepspeed_plugin.deepspeed_config  # the dict DeepSpeed receives, under either launcher
+    section = config["torch_autocast"]
+    if section.get("enabled") == "auto":
+        section["enabled"] = precision != "fp32"
+    if section.get("dtype", "auto") == "auto":
+        section["dtype"] = "float16" if precision == "fp16" else "bfloat16"
+    for mode in ("bf16", "fp16"):  # accelerate's plugin set these from --bf16/--fp16 when the arguments were parsed
+        if isinstance(config.get(mode), dict):
+            config[mode]["enabled"] = False
+    t.bf16 = t.fp16 = False
+    t.mixed_precision = "no"  # what the Trainer hands to accelerate
 
 
 def eager_if_compile_fails() -> None:
@@ -409,6 +432,8 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
         set_checkpointing(t, False)
     if strategy.deepspeed:
         bind_deepspeed_comm()
+    if strategy.autocast:
+        hand_precision_to_deepspeed(t, plan.precision)
     if t.torch_compile:  # asked for; unset, decide_compile chooses once the number of steps is known
         eager_if_compile_fails()
     saved = plan.resume_from and strategy.deepspeed and deepspeed_checkpoint_world_size(plan.resume_from)

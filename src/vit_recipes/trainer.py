@@ -242,7 +242,7 @@ class ImageClassificationTrainer(Trainer):
             transform = self.train_transform if self._training_batch else self.eval_transform
             with record_function("augment"):
                 pixels = transform(pixels)
-            if self.is_deepspeed_enabled:  # DeepSpeed holds bf16/fp16 weights and does not autocast inputs
+            if self.is_deepspeed_enabled:  # its bf16/fp16 mode: 16-bit weights, no autocast (torch_autocast: fp32)
                 pixels = pixels.to(self.accelerator.state.deepspeed_plugin.hf_ds_config.dtype())
             inputs["pixel_values"] = pixels
         return inputs
