@@ -589,6 +589,9 @@ def test_bf16_goes_to_deepspeeds_autocast_and_the_trainers_is_off(launcher, monk
     assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
     assert not config.get("bf16", {}).get("enabled") and not config.get("fp16", {}).get("enabled")
     assert (t.bf16, t.fp16, t.mixed_precision) == (False, False, "no")
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    assert deepspeed_config()["torch_autocast"] == config["torch_autocast"]  # what ZeRO-3's model init reads
 
 
 @pytest.mark.slow

@@ -264,7 +264,8 @@ def hand_precision_to_deepspeed(t, precision: str) -> None:
     weights, as DDP does under the Trainer's --bf16. The Trainer's own bf16/fp16 would switch DeepSpeed's bf16/fp16
     mode on as well (16-bit weights, which lose a warm-up's small updates: docs/distributed.md), so the precision the
     arguments ask for goes to `torch_autocast` ("auto" fields) and the Trainer's is switched off."""
-    config = t.deepspeed_plugin.deepspeed_config  # the dict DeepSpeed receives, under either launcher
+    plugin = t.deepspeed_plugin
+    config = plugin.deepspeed_config  # the dict DeepSpeed receives, under either launcher
     section = config["torch_autocast"]
     if section.get("enabled") == "auto":
         section["enabled"] = precision != "fp32"
@@ -275,6 +276,8 @@ def hand_precision_to_deepspeed(t, precision: str) -> None:
             config[mode]["enabled"] = False
     t.bf16 = t.fp16 = False
     t.mixed_precision = "no"  # what the Trainer hands to accelerate
+    if getattr(plugin, "dschf", None) is not None:  # accelerate's copy for transformers, which ZeRO-3's model init reads
+        plugin.set_deepspeed_weakref()
 
 
 def eager_if_compile_fails() -> None:
