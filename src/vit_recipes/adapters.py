@@ -1,8 +1,6 @@
 """Saving the final model (LoRA: the adapter, checked to hold every LoRA weight, or with `--merge_adapter` the
 merged model), and `load_model` to load either back for evaluation."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import logging
@@ -143,9 +141,8 @@ def merge_adapter_folder(output_dir: str | os.PathLike, setup: FinetuneSetup) ->
 
 
 def save_final_model(trainer, setup: FinetuneSetup) -> None:
-    """Save the trained model into output_dir: the model, the LoRA adapter (+ its base record), or the merged model.
-    Never pushes (save_model() alone would push before the model card exists). The merge runs on the main process
-    from the saved files, so it works the same after DDP, ZeRO-2/3 and FSDP."""
+    """Save the model, the LoRA adapter (+ its base record) or the merged model, never pushing (save_model() would,
+    before the card exists). The merge runs on the main process from the saved files: the same after any strategy."""
     trainer.save_model(_internal_call=True)
     if setup.method != "lora":
         return

@@ -3,8 +3,6 @@
 A YAML recipe (`--config`) sets field values; command-line flags override it. This module imports nothing of ours
 but errors: what is derived from the arguments is worked out once, in plan.py."""
 
-from __future__ import annotations
-
 import argparse
 import difflib
 import importlib.util
@@ -207,13 +205,9 @@ class ObservabilityArguments:
 
     def __post_init__(self):
         if str(self.profile_steps).strip().lower() in ("", "none", "null"):  # None too
-            self.profile_steps = None
-        else:
-            parse_steps(self.profile_steps)  # ValueError -> one-line RecipeError in parse_args
-
-    @property
-    def profile_window(self) -> tuple[int, int] | None:
-        return parse_steps(self.profile_steps) if self.profile_steps else None
+            self.profile_steps = self.profile_window = None
+        else:  # ValueError -> one-line RecipeError in parse_args
+            self.profile_window = parse_steps(self.profile_steps)  # (first, last)
 
 
 def parse_steps(spec: str | int) -> tuple[int, int]:

@@ -1,7 +1,5 @@
 """The model card: Hub metadata (model-index included) and a body that tells how to reproduce the run."""
 
-from __future__ import annotations
-
 import contextlib
 import importlib.metadata
 import logging

@@ -2,8 +2,6 @@
 only slice arrays; resizing, augmentation and normalisation run on the device (transforms.py). Corrupt images are
 skipped, never fatal hours into a run: logged and listed in `skipped_images.json`."""
 
-from __future__ import annotations
-
 import json
 import logging
 import os
@@ -132,10 +130,8 @@ def find_column(features: datasets.Features, requested: str | None, preset: str 
 def encode_labels(
     dataset_dict: DatasetDict, column: str, problem_type: str | None = None
 ) -> tuple[DatasetDict, list[str], str, bool]:
-    """Map the label column to a column `labels`: integer ids in a ClassLabel, or multi-hot float32 vectors when the
-    column holds lists of labels or problem_type asks for multi-label. Names: a ClassLabel's as they are, other integer
-    or string labels sorted, so the mapping is the same on every run and machine. Returns (splits, names, source,
-    multi_label)."""
+    """Map the label column to a column `labels`: ClassLabel ids, or multi-hot float32 vectors (lists of labels, or
+    problem_type multi-label). Names: a ClassLabel's, else the sorted values, the same on every machine."""
     feature = next(iter(dataset_dict.values())).features[column]
     values = {split: d.data.column(column) for split, d in dataset_dict.items()}
     listed = any(pa.types.is_list(a.type) or pa.types.is_large_list(a.type) for a in values.values())
@@ -240,10 +236,7 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     label_column = find_column(features, data_args.label_column_name, preset and preset.label_column, "label")
     if image_column == label_column:
         raise RecipeError(f"image and label columns are both '{image_column}'")
-    keep = {image_column, label_column}
-    dataset_dict = DatasetDict(
-        {n: d.remove_columns([c for c in d.column_names if c not in keep]) for n, d in dataset_dict.items()}
-    )
+    dataset_dict = dataset_dict.select_columns([c for c in features if c in (image_column, label_column)])
     if isinstance(features[image_column], Value) and Path(source).expanduser().exists():
         dataset_dict = resolve_paths(dataset_dict, image_column, Path(source).expanduser())
     # Decode lazily and by hand, so a corrupt file is counted instead of raising inside datasets.
@@ -310,8 +303,7 @@ def resolve_paths(dataset_dict: DatasetDict, column: str, source: Path) -> Datas
 
 
 def sample(split: Dataset, cap: int, seed: int, name: str, notes: list[str]) -> Dataset:
-    """At most `cap` rows, seeded and stratified by label (the first rows of a class-sorted split would score a few
-    classes only), with one log line saying so."""
+    """At most `cap` rows, seeded and stratified by label (a class-sorted split's first rows hold few classes)."""
     if cap >= len(split):
         return split
     try:
@@ -428,13 +420,11 @@ def _decode_batch(batch, image_column: str, height: int, width: int, white: floa
     for value in batch[image_column]:
         try:
             array, resized = decode_to_chw(value, height, width, white)
-            pixel, problem = array.tobytes(), "resized" if resized else ""
-        except FileNotFoundError:
-            pixel, problem = b"", "not found"
-        except Exception:  # corrupt/truncated/unsupported: skip and name it (see module docstring)
-            pixel, problem = b"", "unreadable"
-        pixels.append(pixel)
-        problems.append(problem)
+            pixels.append(array.tobytes())
+            problems.append("resized" if resized else "")
+        except Exception as err:  # corrupt/truncated/unsupported: skip and name it (see module docstring)
+            pixels.append(b"")
+            problems.append("not found" if isinstance(err, FileNotFoundError) else "unreadable")
     return {PIXELS: pixels, "problem": problems}
 
 
@@ -462,8 +452,7 @@ def decode_split(
     bad = [i for i, problem in enumerate(problems) if problem not in ("", "resized")]
     values = dataset.select(bad)[image_column] if bad else []
     paths = [value.get("path") if isinstance(value, dict) else None for value in values]
-    skipped = [{"row": row, "image": path, "problem": problems[row]} for row, path in zip(bad, paths)]
-    if skipped:
+    if skipped := [{"row": row, "image": path, "problem": problems[row]} for row, path in zip(bad, paths)]:
         named = [f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in skipped]
         more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
         notes.append(f"{name}: {len(skipped)} image(s) skipped (not found or unreadable)")

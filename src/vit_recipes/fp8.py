@@ -4,8 +4,6 @@ the fp32/bf16 weights: the optimizer and the saved model do not change.
   LoRA's adapters (rank-16 matmuls gain nothing) and sizes not multiples of 16; emulated on a CPU (the tests).
 - `transformer_engine`: TransformerEngineViTLayer, Transformer Engine's FP8 kernels for each ViT layer. CUDA only."""
 
-from __future__ import annotations
-
 import logging
 
 import torch
@@ -66,10 +64,9 @@ def convert_to_transformer_engine(model: torch.nn.Module) -> int:
 # extra state-dict entries, without the LayerNorm fusion; te.TransformerLayer keeps a fused QKV weight under other
 # names. Neither leaves a transformers ViT's parameters and checkpoints as they are.
 class TransformerEngineViTLayer(ViTLayer):
-    """A ViT layer whose training forward runs Transformer Engine's FP8 matmuls (attention: PyTorch's SDPA), and
-    whose evaluation runs transformers' own forward. Its TE modules compute with the layer's parameters, bound at
-    every step and never copied: the weights, state-dict keys, optimizer state and saved model are the plain ViT's.
-    TE's FP8 scaling history is not saved: a resumed run starts it afresh."""
+    """A ViT layer that trains through Transformer Engine's FP8 matmuls (attention: PyTorch's SDPA) and evaluates with
+    transformers' forward. Its TE modules compute with the layer's parameters, bound at every step, never copied: the
+    weights, state dict, optimizer and saved model are the plain ViT's. TE's FP8 scaling history is not saved."""
 
     warned = False  # about a batch FP8 cannot take, once per process
 

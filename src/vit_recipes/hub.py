@@ -1,7 +1,5 @@
 """Hugging Face Hub helpers: push pre-flight, one-line Hub errors, and redacting tokens from what we write."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import re

@@ -4,8 +4,6 @@ than REPEAT_AFTER seconds later stops it at once; sooner, it is the same stop de
 reaches the workers and their launcher, which then forwards a SIGTERM). Neither transformers nor accelerate handles
 these signals: this module sets the control flags the Trainer offers callbacks (should_save, should_training_stop)."""
 
-from __future__ import annotations
-
 import functools
 import signal
 import threading
@@ -79,10 +77,9 @@ class StopOnSignal(TrainerCallback):
 
 
 def worker_ignores_stop_signals(then, worker_id: int) -> None:
-    """A DataLoader worker's init: SIGINT and SIGTERM are the main process's to handle (it saves at the step end, then
-    shuts its workers down). A terminal's Ctrl-C, scancel and a container stop signal every process, and torchrun
-    signals each worker's process group: a worker killed by one made the main process raise "DataLoader worker ...
-    is killed by signal" mid-step. Then `then` (the Trainer's seeding), if any."""
+    """A DataLoader worker's init, then `then` (the Trainer's seeding), if any: SIGINT and SIGTERM are the main
+    process's to handle. Ctrl-C, scancel, a container stop and torchrun signal every worker too, and a worker killed
+    by one made the main process raise "DataLoader worker ... is killed by signal" mid-step."""
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     if then is not None:

@@ -1,8 +1,6 @@
 """timm's fine-tuning levers on transformers models: layer-wise learning-rate decay (`--layer_decay`), stochastic
 depth (`--drop_path_rate`) and an exponential moving average of the weights (`--ema_decay`, timm's ModelEmaV3)."""
 
-from __future__ import annotations
-
 import logging
 import os
 
@@ -52,9 +50,8 @@ def layer_decay_groups(model: nn.Module, decay: float, lr: float, weight_decay: 
 
 
 def add_drop_path(model: nn.Module, rate: float) -> int:
-    """Stochastic depth on layers without it: each layer's residual-branch dropout is followed by a per-sample drop
-    path, rate growing linearly over depth to `rate` (timm). A forward hook, in training only: weights, state dict
-    keys and the saved model stay plain. Returns the number of layers."""
+    """Stochastic depth on layers without it: a per-sample drop path after each residual-branch dropout, its rate
+    growing linearly to `rate` (timm), as a training-only forward hook: saved models stay plain. Returns the depth."""
     layers = transformer_layers(model, "--drop_path_rate")
     if type(layers[0]).__name__ not in DROPOUT_BEFORE_RESIDUAL or not isinstance(layers[0].dropout, nn.Dropout):
         raise RecipeError(

@@ -1,8 +1,6 @@
 """LoRA on a transformers image classifier (peft): which layers to adapt, adapting them, and putting a saved adapter
 back on its base."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

@@ -5,8 +5,6 @@ figures for the run (`metrics`); docs/observability.md lists them.
 (ImageClassificationTrainer.get_batch_samples reports it through `add_data_wait`). Intervals that span evaluation,
 saving, an epoch start or a profiler export are dropped."""
 
-from __future__ import annotations
-
 import sys
 import time
 from dataclasses import dataclass

@@ -1,8 +1,6 @@
 """The model a run trains (a checkpoint or config; in full, as LoRA adapters or the head alone; or a saved adapter
 put back on its base) and the image processor saved with it."""
 
-from __future__ import annotations
-
 import functools
 import json
 import logging

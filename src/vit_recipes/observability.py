@@ -2,8 +2,6 @@
 TensorBoard, the PyTorch profiler window (--profile_steps) and DeepSpeed's flops profile. The files the profiler
 writes and how to read them: docs/observability.md."""
 
-from __future__ import annotations
-
 import json
 import logging
 import os

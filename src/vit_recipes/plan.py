@@ -276,7 +276,7 @@ def hand_precision_to_deepspeed(t, precision: str) -> None:
             config[mode]["enabled"] = False
     t.bf16 = t.fp16 = False
     t.mixed_precision = "no"  # what the Trainer hands to accelerate
-    if getattr(plugin, "dschf", None) is not None:  # accelerate's copy for transformers, which ZeRO-3's model init reads
+    if getattr(plugin, "dschf", None) is not None:  # accelerate's copy, which ZeRO-3's model init reads
         plugin.set_deepspeed_weakref()
 
 

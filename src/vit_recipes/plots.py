@@ -158,13 +158,10 @@ def plot_throughput(history: list[dict], path: str) -> str | None:
 def write_plots(log_history: list[dict], output_dir: str, label_smoothing: float = 0.0) -> dict[str, str]:
     """Write the plots that the history has data for; return {name: path}."""
     os.makedirs(output_dir, exist_ok=True)
-    jobs = [
-        ("training_curves", lambda history, path: plot_training_curves(history, path, label_smoothing)),
-        ("validation_metrics", plot_validation_metrics),
-        ("throughput", plot_throughput),
-    ]
-    written = {}
-    for name, plot in jobs:  # no progress bar: under a second, drawn beside the evaluation's (figures.py)
-        if path := plot(log_history, os.path.join(output_dir, f"{name}.png")):
-            written[name] = path
-    return written
+    jobs = {
+        "training_curves": lambda history, path: plot_training_curves(history, path, label_smoothing),
+        "validation_metrics": plot_validation_metrics,
+        "throughput": plot_throughput,
+    }  # no progress bar: under a second, drawn beside the evaluation's (figures.py)
+    paths = {name: plot(log_history, os.path.join(output_dir, f"{name}.png")) for name, plot in jobs.items()}
+    return {name: path for name, path in paths.items() if path}

@@ -54,7 +54,8 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     image = ax.imshow(normalised, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
     # An inset colourbar is exactly as tall as the (square) matrix, whatever the figure size.
     fig.colorbar(image, cax=ax.inset_axes([1.02, 0, 0.025, 1])).set_label("fraction of true class")
-    shortened = [_shorten(label_names[i]) for i in ticks]
+    # Long names lose their middle: their ends (e.g. "n01440764_tench") tell classes apart best.
+    shortened = [n if len(n) <= 24 else f"{n[:11]}…{n[-12:]}" for n in (str(label_names[i]) for i in ticks)]
     names, font_file = tick_names(shortened, ticks)
     props = {"fontproperties": FontProperties(fname=font_file, size=font)} if font_file else {"fontsize": font}
     ax.set_xticks(ticks, names, rotation=90, **props)
@@ -93,12 +94,6 @@ def tick_names(names: list[str], ids) -> tuple[list[str], str | None]:
     return [str(i) for i in ids], None
 
 
-def _shorten(name: str, limit: int = 24) -> str:
-    # Cut the middle: the ends of long names (e.g. "n01440764_tench") tell classes apart best.
-    name = str(name)
-    return name if len(name) <= limit else name[: limit // 2 - 1] + "…" + name[-(limit // 2) :]
-
-
 def per_class_multi_label(logits: np.ndarray, targets: np.ndarray, label_names: list[str], threshold: float) -> list:
     """One row per class: AP (scikit-learn's average_precision_score; None without a positive), and precision, recall
     and F1 of `sigmoid >= threshold` (0 where undefined: scikit-learn's zero_division=0)."""
@@ -117,8 +112,7 @@ def per_class_multi_label(logits: np.ndarray, targets: np.ndarray, label_names: 
 
 
 def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
-    """Markdown with the best and worst top_n classes by accuracy, or AP for multi-label rows (ties by class id), or
-    all when few."""
+    """Markdown: the best and worst top_n classes by accuracy (multi-label: AP; ties by class id), or all when few."""
     key = "average_precision" if rows and "average_precision" in rows[0] else "accuracy"
     scored = [row for row in rows if row[key] is not None]
     best = sorted(scored, key=lambda row: (-row[key], row["class_id"]))
@@ -152,9 +146,8 @@ def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
 def write_reports(
     logits, labels, label_names: list[str], output_dir: str, split="test", top_n=10, threshold=0.5, draw=None
 ) -> dict:
-    """Write the confusion matrix PNG and per-class accuracy CSV/markdown of one split, or for multi-hot labels
-    (multi-label) per-class AP/precision/recall/F1 CSV/markdown (predicted: sigmoid >= threshold); return the paths.
-    `draw` draws the matrix (default `plot_confusion_matrix`; figures.FigureProcess draws it in a child process)."""
+    """The module docstring's reports of one split, written; returns their paths. Multi-label: predicted where
+    sigmoid >= threshold. `draw` draws the matrix (figures.FigureProcess: in a child process)."""
     logits, labels = np.asarray(logits), np.asarray(labels)
     multi = labels.ndim == 2 and labels.shape[1] > 1
     labels = labels if multi else labels.reshape(-1)

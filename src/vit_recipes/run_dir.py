@@ -3,8 +3,6 @@
 `run_identity.json`, written into `checkpoint-N` last, once every rank's files are on disk, records the run that
 wrote it. Auto-resume skips a checkpoint without it (incomplete), saying so, and refuses one of another run."""
 
-from __future__ import annotations
-
 import json
 import logging
 import os

@@ -1,7 +1,5 @@
 """The steps of run_image_classification.py that take more than one call, and what a run writes next to its model."""
 
-from __future__ import annotations
-
 import csv
 import logging
 import os
@@ -226,8 +224,7 @@ def start_figures(trainer, plots: bool) -> FigureProcess | None:
 
 
 def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, figures: FigureProcess | None) -> dict:
-    """Confusion matrix and per-class accuracy (multi-label: per-class AP, precision, recall, F1) of the last evaluated
-    split; then waits for `start_figures`'s process to write every figure."""
+    """reports.write_reports of the last evaluated split; then waits for `start_figures`'s process to finish."""
     reports = {}
     if predictions and trainer.is_world_process_zero():
         split, output = predictions
@@ -241,9 +238,8 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, f
 
 
 def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> None:
-    """Classify a folder of images into predictions.csv: file, label, score, problem (a file that could not be read
-    is listed with the problem, no label and no score, not dropped). Multi-label: the labels whose sigmoid reaches
-    the threshold, best first, and their scores, each joined by ';'."""
+    """Classify a folder of images into predictions.csv: file, label, score, problem (an unreadable file is listed
+    with its problem alone). Multi-label: the labels at or above the threshold, best first, joined by ';'."""
     images = load_image_folder(data_args.predict_images)
     if splits.storage_shape:  # stored as the model's training images were
         storage = StorageFormat(splits.storage_shape, splits.white)

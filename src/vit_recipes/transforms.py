@@ -6,8 +6,6 @@ magnitudes (geometric ops bilinear with black fill; torchvision: nearest). Rando
 Eval does what the saved image processor (PIL bicubic, uint8) does: torch's antialiased bicubic in two passes rounded
 to uint8, like PIL, matches it within 1-2 levels (tests/test_transforms.py), so scores carry over."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable, Sequence
 
@@ -311,9 +309,8 @@ def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransfo
 
 class MixupCutmix:
     """timm's Mixup in 'batch' mode: one lam ~ Beta(alpha, alpha) per batch (torch's CPU RNG), each sample mixed with
-    x.flip(0); mixup or cutmix (50/50 when both are on), cutmix's lam corrected to the pasted box's area.
-    Returns the mixed pixels and label-smoothed soft targets lam * t(y) + (1 - lam) * t(y.flip(0)), t(y) the one-hot
-    of class ids y, or the multi-hot rows y themselves (multi-label)."""
+    x.flip(0); mixup or cutmix (50/50 when both are on), cutmix's lam corrected to the pasted box's area. Targets:
+    lam * t(y) + (1 - lam) * t(y.flip(0)), t(y) the label-smoothed one-hot of class ids y (multi-label: of rows y)."""
 
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, label_smoothing: float = 0.0):
         self.mixup_alpha, self.cutmix_alpha = float(mixup_alpha), float(cutmix_alpha)
