@@ -12,15 +12,15 @@ The figures come from vit_recipes/memory.py. A run reads the same estimate at st
 checkpointing left unset turns on only where the batch does not fit without it, and a sharded strategy where a
 faster one fits says so in one line.
 
-Model states (P parameters, N GPUs, L parameters of the largest layer, 16-bit training with AdamW):
+Model states (P parameters, N GPUs, L parameters of the largest layer, bf16/fp16 training with AdamW):
 
 - DDP: accelerate's `estimate_training_usage` (fp32 weights 4P, gradients 4P + 2P for the 16-bit GEMM copies,
   Adam moments 8P); FSDP2 shards all of it over N and adds two unsharded layers in flight (2 x 2L);
-- ZeRO-2/3 and their offload variants: DeepSpeed's `estimate_zero2_model_states_mem_needs` /
-  `estimate_zero3_model_states_mem_needs` totals, split the way DeepSpeed counts them: 16-bit parameters (2P, or
-  2P/N + 4L under ZeRO-3), gradients (16-bit 2P/N + fp32 4P/N under ZeRO-2; fp32 4P/N under ZeRO-3), optimizer
-  (fp32 master 4P/N + Adam moments 8P/N). ZeRO-1 is ZeRO-2 with unpartitioned 16-bit gradients (2P instead of
-  2P/N). ZeRO++ adds hpZ's secondary 16-bit copy (2P / GPUs per node).
+- ZeRO-1/2/3 and ZeRO++ (the shipped configs: DeepSpeed's torch_autocast, fp32 weights): fp32 parameters (4P, or
+  4P/N + two gathered layers 8L under ZeRO-3; ZeRO++ adds hpZ's secondary copy, 4P / GPUs per node), fp32 gradients
+  (4P under ZeRO-1, else 4P/N), optimizer (fp32 master 4P/N + Adam moments 8P/N);
+- ZeRO-2/3 with offload (DeepSpeed's bf16 mode): DeepSpeed's `estimate_zero2_model_states_mem_needs` /
+  `estimate_zero3_model_states_mem_needs` (16-bit parameters on the GPU, the rest in host memory);
 - fp32 training: parameters 4, gradients 4, Adam 8 bytes per parameter, partitioned the same way.
 
 Activations (per GPU, per-device batch b, s tokens, hidden h, MLP width i, a heads, e bytes per element): each
