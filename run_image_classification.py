@@ -11,6 +11,7 @@ into the `vit_recipes` package (docs/architecture.md).
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import transformers
@@ -152,3 +153,7 @@ def cli() -> None:
 
 if __name__ == "__main__":
     cli()
+    # Finished, nothing left to write: spare the interpreter's last garbage collections over the millions of objects
+    # torch, transformers and datasets made (1.4 s of wall clock on a CPU). Exit handlers, thread joins and module
+    # teardown still run.
+    gc.freeze()
