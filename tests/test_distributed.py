@@ -567,6 +567,18 @@ def test_torch_autocast_fixed_in_the_deepspeed_config_conflicts_with_the_precisi
         check("--deepspeed", fp16, "--use_cpu", "true", "--bf16", "true")
 
 
+def test_fp16_or_a_16_bit_mode_beside_torch_autocast_is_refused(tmp_path, monkeypatch):
+    from vit_recipes import checks, plan
+
+    monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")  # as on a GPU: fp16 itself is fine there
+    monkeypatch.setattr(checks, "gpu_bf16_ok", lambda: True)
+    with pytest.raises(RecipeError, match="fp16 loss scaling clips gradients by their scaled norm"):
+        check("--deepspeed", "ds_configs/zero2.json", "--use_cpu", "true", "--fp16", "true")
+    both = ds_file(tmp_path, bf16__enabled="auto")
+    with pytest.raises(RecipeError, match='both "torch_autocast" and an enabled or "auto" "bf16" section'):
+        check("--deepspeed", both, "--use_cpu", "true", "--bf16", "true")
+
+
 @pytest.mark.parametrize("launcher", ["deepspeed", "accelerate"])
 def test_bf16_goes_to_deepspeeds_autocast_and_the_trainers_is_off(launcher, monkeypatch, caplog):
     """Under a shipped ZeRO config the Trainer's --bf16 would turn DeepSpeed's bf16 mode on (bf16 weights) beside

@@ -182,6 +182,22 @@ def _check_deepspeed(plan, t) -> None:
             f'{name} conflicts with the arguments: {"; ".join(conflicts)}. Set these to "auto" in the JSON '
             "so the arguments decide, or change the arguments to match"
         )
+    if strategy.autocast:
+        config = strategy.deepspeed_config
+        sections = (
+            m for m in ("bf16", "fp16") if str(config_value(config, f"{m}.enabled")).lower() in ("auto", "true")
+        )
+        if mode := next(sections, None):  # "auto" too: the Trainer would turn it on from --bf16/--fp16
+            raise RecipeError(
+                f'{name} has both "torch_autocast" and an enabled or "auto" "{mode}" section: keep one '
+                f"(torch_autocast: fp32 weights, as under DDP; {mode}: 16-bit weights; docs/distributed.md)"
+            )
+        if plan.precision == "fp16":  # measured: benchmarks/results/2026-11-27_zero_fp16_fp32_2xH200
+            raise RecipeError(
+                f"{name} trains through DeepSpeed's torch_autocast, whose fp16 loss scaling clips gradients by their "
+                "scaled norm (65,536x DDP's) and learns more slowly than DDP in fp16: use --bf16 true, or a config "
+                'with an "fp16" section in place of "torch_autocast" (as ds_configs/zero2_offload.json has)'
+            )
     if t.layer_decay < 1 and config_value(strategy.deepspeed_config, "optimizer"):
         raise RecipeError(
             f"{name} builds its own optimizer, one learning rate for all parameters: --layer_decay needs the "

@@ -270,7 +270,7 @@ def hand_precision_to_deepspeed(t, precision: str) -> None:
     if section.get("enabled") == "auto":
         section["enabled"] = precision != "fp32"
     if section.get("dtype", "auto") == "auto":
-        section["dtype"] = "float16" if precision == "fp16" else "bfloat16"
+        section["dtype"] = "bfloat16"  # fp16 is refused with torch_autocast (checks.py)
     for mode in ("bf16", "fp16"):  # accelerate's plugin set these from --bf16/--fp16 when the arguments were parsed
         if isinstance(config.get(mode), dict):
             config[mode]["enabled"] = False
