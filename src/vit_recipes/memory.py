@@ -232,8 +232,8 @@ def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, pr
     raise KeyError(key)
 
 
-# The shipped configs of these train under DeepSpeed's torch_autocast (fp32 weights; tests check ds_configs/); its
-# offload configs keep the bf16 mode, 16-bit weights on the GPU.
+# The shipped configs of these train under DeepSpeed's torch_autocast (fp32 weights; tests check ds_configs/); the
+# offload configs keep DeepSpeed's bf16 mode, 16-bit weights on the GPU.
 AUTOCAST = ("zero1", "zero2", "zero3", "zeropp")
 
 

@@ -261,9 +261,9 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
 
 def hand_precision_to_deepspeed(t, precision: str) -> None:
     """A DeepSpeed config with `torch_autocast` (ds_configs/zero1-3, zeropp): DeepSpeed autocasts the forward over fp32
-    weights, as DDP does under the Trainer's --bf16. The Trainer's own bf16/fp16 would switch DeepSpeed's bf16/fp16
-    mode on as well (16-bit weights, which lose a warm-up's small updates: docs/distributed.md), so the precision the
-    arguments ask for goes to `torch_autocast` ("auto" fields) and the Trainer's is switched off."""
+    weights, as DDP does under the Trainer's --bf16. The Trainer's own bf16 would switch DeepSpeed's bf16 mode on as
+    well (16-bit weights, which lose a warm-up's small updates: docs/distributed.md), so the precision the arguments
+    ask for fills `torch_autocast`'s "auto" fields and the Trainer's is switched off."""
     plugin = t.deepspeed_plugin
     config = plugin.deepspeed_config  # the dict DeepSpeed receives, under either launcher
     section = config["torch_autocast"]
