@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 import transformers
 from datasets import ClassLabel, load_dataset
@@ -58,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the mete
 
 from vit_recipes.flops import peak_flops, training_flops_per_image  # noqa: E402
 from vit_recipes.meter import SpeedMeter  # noqa: E402
+from vit_recipes.timeline import seconds_since_start  # noqa: E402
 
 logger = logging.getLogger("peer")
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     meter = SpeedMeter(images_per_step, flops, peak * training.world_size if peak else None)
     attach_meter(trainer, meter)
 
-    phases["startup"] = time.time() - psutil.Process().create_time()  # imports, dataset, model, trainer
+    phases["startup"] = seconds_since_start()  # imports, dataset, model, trainer
     start = time.perf_counter()
     result = trainer.train()
     phases["train"] = time.perf_counter() - start - phases.get("evaluate", 0.0) - phases.get("save", 0.0)
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     if training.do_eval:  # as the example: once more after training
         metrics.update(trainer.evaluate())
     metrics.update({f"time_{phase}_s": round(seconds, 2) for phase, seconds in phases.items()})
-    metrics["time_total_s"] = round(time.time() - psutil.Process().create_time(), 2)
+    metrics["time_total_s"] = round(seconds_since_start(), 2)
     trainer.save_metrics("all", metrics)
     return metrics
 

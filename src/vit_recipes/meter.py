@@ -9,9 +9,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-import psutil
 import torch
 from transformers import TrainerCallback
+
+from .timeline import seconds_since_start
 
 GIB = 2**30
 
@@ -46,7 +47,7 @@ class SpeedMeter(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
         if not self.startup:  # what a user waits for before training runs at speed
-            self.startup["first_step_after_start_s"] = time.time() - psutil.Process().create_time()
+            self.startup["first_step_after_start_s"] = seconds_since_start()
         if len(self.startup) == 1 and getattr(state, "global_step", 0) >= self.warmup_steps:
             self.startup["warmup_s"] = now - self._began  # the first steps: compilation, allocator, first batches
         if self._last is not None:
