@@ -531,7 +531,7 @@ def check(suite: Suite) -> list[dict]:
                     f"world {sorted(world)}, wrappers {sorted(wrappers)}, stages {sorted(stages, key=str)}, "
                     f"parameters per rank {local} of {full}")  # fmt: skip
             if name in AUTOCAST and reports:  # the shipped ZeRO configs: DeepSpeed autocasts over fp32 weights
-                want = (None if suite.cpu else "bfloat16", "float32")  # the CPU runs train in fp32
+                want = ("bfloat16", "float32")  # the recipe's bf16, on the CPU too
                 got = {(r.get("deepspeed_autocast"), r.get("param_dtype")) for r in reports}
                 add("strategies", f"{name}: DeepSpeed's autocast {want[0]}, weights {want[1]}", name, got == {want},
                     f"(autocast, weights) per rank: {sorted(got, key=str)}")  # fmt: skip
