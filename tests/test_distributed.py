@@ -579,6 +579,18 @@ def test_fp16_or_a_16_bit_mode_beside_torch_autocast_is_refused(tmp_path, monkey
         check("--deepspeed", both, "--use_cpu", "true", "--bf16", "true")
 
 
+def test_deepspeeds_16_bit_mode_says_its_weights_learn_more_slowly(tmp_path, caplog):
+    bf16_mode = ds_file(tmp_path, torch_autocast__enabled=False, bf16__enabled="auto")  # as the offload configs
+    with caplog.at_level("INFO", logger="vit_recipes.plan"):
+        check("--deepspeed", bf16_mode, "--use_cpu", "true", "--bf16", "true")
+    assert "bf16 (16-bit weights) on cpu" in caplog.text
+    assert "trains in DeepSpeed's bf16 mode: bf16 weights, which learn more slowly" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vit_recipes.plan"):
+        check("--deepspeed", "ds_configs/zero2.json", "--use_cpu", "true", "--bf16", "true")
+    assert "fp32 weights) on cpu" in caplog.text and "learn more slowly" not in caplog.text
+
+
 @pytest.mark.parametrize("launcher", ["deepspeed", "accelerate"])
 def test_bf16_goes_to_deepspeeds_autocast_and_the_trainers_is_off(launcher, monkeypatch, caplog):
     """Under a shipped ZeRO config the Trainer's --bf16 would turn DeepSpeed's bf16 mode on (bf16 weights) beside

@@ -132,16 +132,20 @@ def deepspeed_conflicts(config: dict, t, global_batch: int, world_size: int) -> 
         ("scheduler.params.warmup_max_lr", t.learning_rate, "--learning_rate"),
         ("fp16.enabled", bool(t.fp16), "--fp16"),
         ("bf16.enabled", bool(t.bf16), "--bf16"),
-        ("torch_autocast.enabled", bool(t.fp16 or t.bf16), "--bf16/--fp16"),
     ]
     out = []
     for key, value, flag in checks:
         if (fixed := config_value(config, key)) not in (None, "auto") and not _same(fixed, value):
             shown = str(value).lower() if isinstance(value, bool) else value
             out.append(f"{key}={json.dumps(fixed)} vs {flag} {shown}")
+    # torch_autocast fixed on asks for 16 bits and its dtype; fixed off leaves precision to a bf16/fp16 section or fp32
+    autocast = str(config_value(config, "torch_autocast.enabled")).lower()
+    if autocast == "true" and not (t.fp16 or t.bf16):
+        out.append("torch_autocast.enabled=true vs --bf16/--fp16 false")
     dtype = str(config_value(config, "torch_autocast.dtype") or "auto").lower().removeprefix("torch.")
     spelled = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)  # DeepSpeed's spellings
-    if (t.fp16 or t.bf16) and dtype != "auto" and spelled != ("float16" if t.fp16 else "bfloat16"):
+    wanted = "float16" if t.fp16 else "bfloat16"
+    if autocast in ("true", "auto") and (t.fp16 or t.bf16) and dtype != "auto" and spelled != wanted:
         out.append(f"torch_autocast.dtype={json.dumps(dtype)} vs --{'fp16' if t.fp16 else 'bf16'} true")
     return out
 
