@@ -36,6 +36,12 @@ def config_value(config: dict | None, dotted: str):
     return node
 
 
+def turned_on(config: dict | None, section: str) -> bool:
+    """A DeepSpeed section whose "enabled" is true, or "auto" (the arguments will decide)."""
+    enabled = config_value(config, f"{section}.enabled")
+    return enabled == "auto" or is_true(enabled)
+
+
 def check_plan(plan, args) -> None:
     """Reject, in one line each, settings that would fail (or silently do something else) later."""
     t, strategy = args.training, plan.strategy
@@ -139,13 +145,12 @@ def deepspeed_conflicts(config: dict, t, global_batch: int, world_size: int) -> 
             shown = str(value).lower() if isinstance(value, bool) else value
             out.append(f"{key}={json.dumps(fixed)} vs {flag} {shown}")
     # torch_autocast fixed on asks for 16 bits and its dtype; fixed off leaves precision to a bf16/fp16 section or fp32
-    autocast = str(config_value(config, "torch_autocast.enabled")).lower()
-    if autocast == "true" and not (t.fp16 or t.bf16):
+    if is_true(config_value(config, "torch_autocast.enabled")) and not (t.fp16 or t.bf16):
         out.append("torch_autocast.enabled=true vs --bf16/--fp16 false")
     dtype = str(config_value(config, "torch_autocast.dtype") or "auto").lower().removeprefix("torch.")
     spelled = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)  # DeepSpeed's spellings
     wanted = "float16" if t.fp16 else "bfloat16"
-    if autocast in ("true", "auto") and (t.fp16 or t.bf16) and dtype != "auto" and spelled != wanted:
+    if turned_on(config, "torch_autocast") and (t.fp16 or t.bf16) and dtype != "auto" and spelled != wanted:
         out.append(f"torch_autocast.dtype={json.dumps(dtype)} vs --{'fp16' if t.fp16 else 'bf16'} true")
     return out
 
@@ -187,11 +192,7 @@ def _check_deepspeed(plan, t) -> None:
             "so the arguments decide, or change the arguments to match"
         )
     if strategy.autocast:
-        config = strategy.deepspeed_config
-        sections = (
-            m for m in ("bf16", "fp16") if str(config_value(config, f"{m}.enabled")).lower() in ("auto", "true")
-        )
-        if mode := next(sections, None):  # "auto" too: the Trainer would turn it on from --bf16/--fp16
+        if mode := next((m for m in ("bf16", "fp16") if turned_on(strategy.deepspeed_config, m)), None):
             raise RecipeError(
                 f'{name} has both "torch_autocast" and an enabled or "auto" "{mode}" section: keep one '
                 f"(torch_autocast: fp32 weights, as under DDP; {mode}: 16-bit weights; docs/distributed.md)"

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import strategies
 from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config, set_checkpointing
-from .checks import check_plan, config_value, deepspeed_checkpoint_world_size
+from .checks import check_plan, config_value, deepspeed_checkpoint_world_size, turned_on
 from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
 from .lora import is_adapter_dir
@@ -135,7 +135,7 @@ def read_strategy(training_args) -> Strategy:
         fsdp_wrap=tuple(n.strip() for n in wrap if n.strip()) if wrap else None,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
-        autocast=str(config_value(deepspeed, "torch_autocast.enabled")).lower() in ("auto", "true", "1"),
+        autocast=turned_on(deepspeed, "torch_autocast"),
     )
 
 
@@ -197,14 +197,15 @@ def build_plan(args: RunArguments) -> RunPlan:
     plan = RunPlan(strategy, precision, device, global_batch, resolve_output_dir(t, identity), identity)
     check_plan(plan, args)
     spec, resumed = strategy.spec, f" from {plan.resume_from}" if plan.resume_from else ""
-    weights = ""  # DeepSpeed's two ways to train in 16 bits (docs/distributed.md, "Precision under DeepSpeed")
-    if strategy.deepspeed and precision != "fp32":
-        weights = " (DeepSpeed's torch_autocast, fp32 weights)" if strategy.autocast else " (16-bit weights)"
+    # DeepSpeed's two ways to train in 16 bits (docs/distributed.md, "Precision under DeepSpeed")
+    half = strategy.deepspeed and precision != "fp32"
+    weights = " (DeepSpeed's torch_autocast, fp32 weights)" if strategy.autocast else " (16-bit weights)"
     logger.info(
-        f"Plan: {spec.label} on {strategy.world_size} process(es) (sharded: {spec.shards}), {plan.precision}{weights} "
-        f"on {plan.device}, global batch {global_batch}, output dir {plan.output.state}{resumed}"
+        f"Plan: {spec.label} on {strategy.world_size} process(es) (sharded: {spec.shards}), {plan.precision}"
+        f"{weights if half else ''} on {plan.device}, global batch {global_batch}, output dir {plan.output.state}"
+        f"{resumed}"
     )
-    if weights == " (16-bit weights)" and t.process_index == 0:
+    if half and not strategy.autocast and t.process_index == 0:
         logger.warning(
             f"{strategy.deepspeed_source} trains in DeepSpeed's {precision} mode: {precision} weights, which learn "
             "more slowly than DDP's fp32 ones while the learning rate is small (ViT-H: +15% mean loss over the first "
