@@ -1,5 +1,4 @@
-"""Saving the final model (LoRA: the adapter, checked to hold every LoRA weight, or with `--merge_adapter` the
-merged model), and `load_model` to load either back for evaluation."""
+"""Saving the final model (LoRA: the checked adapter, or the merged model) and `load_model` to load it back."""
 
 import contextlib
 import json
@@ -20,8 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(path: str | os.PathLike, base_model_name_or_path: str | None = None, **kwargs):
-    """Load what the script saved in `path` for evaluation: a plain (full or merged) model, or the adapter on its base
-    (`base_model_name_or_path` overrides the base named in adapter_config.json, e.g. after moving the base folder)."""
+    """Load a saved plain model, or the adapter on its base (`base_model_name_or_path` overrides adapter_config's)."""
     from transformers import AutoModelForImageClassification
 
     if not is_adapter_dir(path):
@@ -35,9 +33,8 @@ def load_model(path: str | os.PathLike, base_model_name_or_path: str | None = No
 
 @contextlib.contextmanager
 def without_activation_wrappers(model: nn.Module):
-    """Take torch's activation-checkpoint wrappers out of the module tree for the duration (put back after): they add
-    `_checkpoint_wrapped_module` to module names but not to state-dict names, and peft picks the adapter's state-dict
-    entries by module name, so it would save the head alone. Parameters (FSDP2 shards) and hooks stay."""
+    """Torch's activation-checkpoint wrappers out of the module tree for the block: they rename modules, not state-dict
+    keys, so peft (matching by module name) would save the head alone. Parameters and hooks stay."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
     swapped = []
@@ -113,8 +110,7 @@ def _zero_config(trainer) -> dict:
 
 
 def drop_zero3_leaf_modules(trainer, setup: FinetuneSetup) -> None:
-    """LoRA under ZeRO-3: fetch parameters per submodule, not per leaf layer (ds_configs/zero3*.json's ViTLayer):
-    DeepSpeed 0.19.8 released a leaf's parameters before the adapters' gradients were accumulated."""
+    """LoRA under ZeRO-3: no leaf_module (DeepSpeed 0.19.8 released a leaf's parameters before adapter gradients)."""
     lora_under_deepspeed = setup.method == "lora" and getattr(trainer, "is_deepspeed_enabled", False)
     if lora_under_deepspeed and _zero_config(trainer).pop("leaf_module", None):
         logger.info("LoRA under ZeRO-3: leaf_module dropped, parameters are fetched per submodule")
@@ -130,8 +126,7 @@ def merge_adapter_folder(output_dir: str | os.PathLike, setup: FinetuneSetup) ->
     from transformers.integrations import deepspeed as hf_deepspeed
 
     output_dir = Path(output_dir)
-    # Load the base whole on this process even inside a ZeRO-3 run (from_pretrained would partition it).
-    with mock.patch.object(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None):
+    with mock.patch.object(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None):  # the base whole, even in ZeRO-3
         base, _ = build_model(setup.base_args, setup.label_names)
         merged = attach_adapter(base, output_dir, base_source=setup.base_args.model_name_or_path).merge_and_unload()
     for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS, BASE_RECORD):
@@ -141,8 +136,8 @@ def merge_adapter_folder(output_dir: str | os.PathLike, setup: FinetuneSetup) ->
 
 
 def save_final_model(trainer, setup: FinetuneSetup) -> None:
-    """Save the model, the LoRA adapter (+ its base record) or the merged model, never pushing (save_model() would,
-    before the card exists). The merge runs on the main process from the saved files: the same after any strategy."""
+    """Save the model, the LoRA adapter (+ base record) or the merged model (on rank 0, from the saved files), never
+    pushing (save_model() would, before the card exists)."""
     trainer.save_model(_internal_call=True)
     if setup.method != "lora":
         return

@@ -1,7 +1,6 @@
 """Command-line and recipe arguments: the dataclasses the script parses (one `--help` group each), and their checks.
 
-A YAML recipe (`--config`) sets field values; command-line flags override it. This module imports nothing of ours
-but errors: what is derived from the arguments is worked out once, in plan.py."""
+A YAML recipe (`--config`) sets field values; flags override it. What derives from them is worked out in plan.py."""
 
 import argparse
 import difflib
@@ -231,8 +230,7 @@ def tensorboard_available() -> bool:
 def resolve_report_to(report_to):
     """Normalise `report_to` (a list, or "tensorboard,wandb"); drop TensorBoard, with a warning, if not installed."""
     names = report_to if isinstance(report_to, (list, tuple)) else str(report_to or "none").split(",")
-    names = [str(n).strip(" []'\"") for n in names]  # also tolerates a YAML list read as its string form
-    names = [n for n in names if n]
+    names = [s for n in names if (s := str(n).strip(" []'\""))]  # also tolerates a YAML list read as its string form
     if "tensorboard" in names and not tensorboard_available():
         logger.warning("tensorboard is not installed: TensorBoard logging is off (pip install tensorboard).")
         names = [n for n in names if n != "tensorboard"]
@@ -261,9 +259,8 @@ def compile_regions(t, regions: bool = True, after_init: bool = False) -> None:
     knows the device and steps."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()
     if after_init and t.tf32 is not False and (t.tf32 is None and not t.fp16 or t.bf16) and is_torch_tf32_available():
-        # TrainingArguments' __post_init__ turns TF32 matmuls on for compiled runs (unless --tf32 false), but it ran
-        # with compilation off: its rule, applied now, so a compile decided here computes (and caches) what
-        # --torch_compile_regions true does
+        # TrainingArguments' __post_init__ (which ran with compilation off) turns TF32 on for compiled runs unless
+        # --tf32 false: its rule, applied now, so this compile computes (and caches) what --torch_compile_regions does
         enable_tf32(True)
         align_matmul_precision()
     if regions:  # the Trainer builds accelerate's TorchDynamoPlugin without this option; the plugin reads it here
@@ -271,8 +268,7 @@ def compile_regions(t, regions: bool = True, after_init: bool = False) -> None:
         t.torch_compile, t.torch_compile_regions = True, True
         t.torch_compile_backend = t.torch_compile_backend or "inductor"
     if not t.dataloader_drop_last:
-        # An epoch's short last batch is a new shape that torch.compile recompiles for, every epoch (tens of seconds
-        # on a GPU); dropping it costs under one batch of images per epoch.
+        # A short last batch is a new shape, recompiled every epoch (tens of seconds on a GPU): dropping costs less.
         logger.info(
             "torch.compile: dropping each epoch's incomplete last training batch (a new shape would recompile)"
         )
@@ -358,8 +354,7 @@ class RecipeTrainingArguments(TrainingArguments):
     def __post_init__(self):
         asked = (self.gradient_checkpointing, getattr(self, "activation_checkpointing", None))  # the new name: 5.2x
         self.checkpointing_by_memory = asked == (None, None)
-        # The `activation_checkpointing*` names, where they exist (5.2x): the old ones print a FutureWarning every run
-        # there. TrainingArguments' __post_init__ mirrors the values back.
+        # The `activation_checkpointing*` names where they exist (5.2x, where the old ones warn); mirrored back later.
         for old in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):
             new = old.replace("gradient_", "activation_")
             if hasattr(self, new) and getattr(self, new) is None and getattr(self, old) is not None:
@@ -371,8 +366,7 @@ class RecipeTrainingArguments(TrainingArguments):
         if self.torch_compile or self.torch_compile_regions:
             compile_regions(self, regions=bool(self.torch_compile_regions))
         if self.do_predict and not (self.do_train or self.do_eval):
-            # TrainingArguments turns do_eval on for any eval_strategy (default here: epoch), which is about
-            # evaluating during training: a run that only predicts evaluates nothing it was not asked to.
+            # TrainingArguments turns do_eval on for any eval_strategy: a run that only predicts evaluates nothing.
             self.eval_strategy = "no"
         super().__post_init__()
         if self.gradient_checkpointing is None:  # transformers before 5.2x keeps None: a bool until the plan decides
@@ -430,11 +424,10 @@ def load_recipe(path: str | os.PathLike, parser: HfArgumentParser) -> dict[str, 
     if not isinstance(values, dict):
         raise RecipeError(f"recipe {path} must be a mapping of argument: value, got {type(values).__name__}")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
-    for key in values:
-        if key not in actions:
-            close = difflib.get_close_matches(str(key), list(actions), n=1, cutoff=0.6)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise RecipeError(f"recipe {path}: unknown key '{key}'{hint}")
+    if (key := next((k for k in values if k not in actions), None)) is not None:  # the first unknown key
+        close = difflib.get_close_matches(str(key), list(actions), n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise RecipeError(f"recipe {path}: unknown key '{key}'{hint}")
     return {key: _coerce(key, value, actions[key], f"recipe {path}") for key, value in values.items()}
 
 
@@ -492,8 +485,7 @@ def parse_args(
     return args
 
 
-# transformers' TrainingArguments that --help lists: what fine-tuning an image classifier uses. The other ~70 (text
-# generation, tokens, NEFTune, Liger, hyperparameter search, TPU and hub minutiae) still parse; --help says so.
+# TrainingArguments that --help lists (what image classification uses); the other ~70 still parse, --help says so.
 _LISTED_TRAINER_FLAGS = {
     "output_dir", "do_train", "do_eval", "do_predict", "eval_strategy", "eval_steps", "per_device_train_batch_size",
     "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "max_grad_norm",

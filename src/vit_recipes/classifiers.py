@@ -4,9 +4,8 @@ from __future__ import annotations
 
 
 def classifier_class(config):
-    """The image-classification class transformers builds for `config` (KeyError when there is none). Some families
-    map to several (DeiT: with and without its distillation head): the one the config names, else the first, the
-    plain classifier."""
+    """The image-classification class transformers builds for `config` (KeyError when none). Of several (DeiT: with
+    and without distillation head), the one the config names, else the first, the plain classifier."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING
 
     found = MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING[type(config)]

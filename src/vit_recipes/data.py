@@ -1,6 +1,5 @@
-"""From a dataset name to labelled splits of uint8 CHW images, decoded once (cached on disk by `datasets`) so epochs
-only slice arrays; resizing, augmentation and normalisation run on the device (transforms.py). Corrupt images are
-skipped, never fatal hours into a run: logged and listed in `skipped_images.json`."""
+"""Dataset name -> labelled splits of uint8 CHW images decoded once (cached by `datasets`): epochs only slice arrays,
+the device augments (transforms.py). Corrupt images are skipped (not fatal hours in), listed in skipped_images.json."""
 
 import json
 import logging
@@ -130,8 +129,7 @@ def find_column(features: datasets.Features, requested: str | None, preset: str 
 def encode_labels(
     dataset_dict: DatasetDict, column: str, problem_type: str | None = None
 ) -> tuple[DatasetDict, list[str], str, bool]:
-    """Map the label column to a column `labels`: ClassLabel ids, or multi-hot float32 vectors (lists of labels, or
-    problem_type multi-label). Names: a ClassLabel's, else the sorted values, the same on every machine."""
+    """Label column -> `labels`: ClassLabel ids or multi-hot float32 rows; names: a ClassLabel's, else sorted values."""
     feature = next(iter(dataset_dict.values())).features[column]
     values = {split: d.data.column(column) for split, d in dataset_dict.items()}
     listed = any(pa.types.is_list(a.type) or pa.types.is_large_list(a.type) for a in values.values())
@@ -217,8 +215,7 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     """Load the dataset and return its train/validation/test splits with encoded labels."""
     source, preset = resolve_source(data_args.dataset_name)
     dataset_dict = load_any(source, data_args.dataset_config_name, cache_dir)
-    # Train is loaded for evaluation-only runs too: the same label mapping and the same carved validation split.
-    train_split = data_args.train_split_name
+    train_split = data_args.train_split_name  # loaded for eval-only runs too: same label mapping, same carved split
     train_name = _split(dataset_dict, None, (train_split,), "train")
     if need_train and train_name is None:
         raise RecipeError(f"train split '{train_split}' does not exist; splits are: {', '.join(dataset_dict)}")
@@ -230,7 +227,6 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     dataset_dict = DatasetDict({n: dataset_dict[n] for n in dict.fromkeys(used)})
     if empty := [name for name, split in dataset_dict.items() if len(split) == 0]:
         raise RecipeError(f"split '{empty[0]}' is empty")
-
     features = next(iter(dataset_dict.values())).features
     image_column = find_column(features, data_args.image_column_name, preset and preset.image_column, "image")
     label_column = find_column(features, data_args.label_column_name, preset and preset.label_column, "label")
@@ -249,12 +245,10 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
             ) from None
     problem_type = getattr(data_args, "problem_type", None)
     dataset_dict, names, source_kind, multi = encode_labels(dataset_dict, label_column, problem_type)
-
     train, validation, test = (dataset_dict[n] if n else None for n in (train_name, val_name, test_name))
     if train is not None and need_train and not multi:
         counts = np.bincount(label_array(train), minlength=len(names))
-        if missing := [names[i] for i in np.flatnonzero(counts == 0)]:
-            # an empty class folder, or a label only validation/test use: a class the model could never learn
+        if missing := [names[i] for i in np.flatnonzero(counts == 0)]:  # a class the model could never learn
             raise RecipeError(
                 f"{len(missing)} class(es) have no training images: {', '.join(missing[:5])}"
                 f"{', ...' if len(missing) > 5 else ''}; add training images of them, or remove them (an empty "
@@ -280,8 +274,7 @@ def write_labels(splits: ImageSplits, output_dir: str) -> None:
 
 
 def labels_of_model(model_path: str | None, config) -> ImageSplits:
-    """Predict-only runs (no dataset): the labels a model was trained with, and how its images were stored, from
-    its labels.json (else the config's id2label; storage is then decided from the images to predict)."""
+    """Predict-only runs: a model's labels and image storage from its labels.json (else the config's id2label)."""
     record = Path(model_path or "").expanduser() / LABELS_FILE
     multi = getattr(config, "problem_type", None) == MULTI_LABEL
     if record.is_file():
@@ -318,9 +311,8 @@ def sample(split: Dataset, cap: int, seed: int, name: str, notes: list[str]) -> 
 
 
 def stratified_split(split: Dataset, n_train: int, n_test: int, seed: int) -> tuple[Dataset, Dataset]:
-    """datasets' own stratified split (`train_test_split(stratify_by_column=...)`: its generator, sizes and index
-    sampler, so the same rows) without its reading of the labels row by row (2-5 s for 50k images at every new run).
-    ValueError where it cannot stratify: multi-label, a class with a single row, fewer rows than classes."""
+    """datasets' `train_test_split(stratify_by_column=...)` (the same rows) without its row-by-row label reading (2-5 s
+    per 50k images). ValueError where it cannot stratify: multi-label, a single-row class, fewer rows than classes."""
     if not _single(split):
         raise ValueError("multi-label")
     rng = np.random.default_rng(seed)
@@ -388,9 +380,7 @@ class StorageFormat:
 
 
 def storage_format(split: Dataset, image_column: str, image_size: int, storage_size: int | None) -> StorageFormat:
-    """From the first 64 images: the native size when most share one no larger than the model's (CIFAR's 32x32:
-    upsampling is cheap on the device), else a square of image_size/0.875 (256 for 224), room for random crops;
-    and the white level of the largest high-bit-depth value seen, the same for every image."""
+    """First 64 images: their common size if <= the model's (upsampling is cheap), else image_size/0.875; white level."""
     sizes, peak = Counter(), None
     for value in split.select(range(min(64, len(split))))[image_column]:
         try:
@@ -400,9 +390,8 @@ def storage_format(split: Dataset, image_column: str, image_size: int, storage_s
         sizes[size] += 1
         if high is not None:
             peak = max(peak or 0.0, high)
-    white = 255.0
+    white = 255.0 if peak is None else white_level(peak)
     if peak is not None:
-        white = white_level(peak)
         logger.warning(
             f"High-bit-depth images (largest value {peak:g} in {sum(sizes.values())} sampled): every image is scaled "
             f"by 255/{white:g} to 8 bits"
@@ -431,8 +420,7 @@ def _decode_batch(batch, image_column: str, height: int, width: int, white: floa
 def decode_split(
     dataset: Dataset, image_column: str, storage: StorageFormat, num_proc: int | None, name: str, notes: list[str]
 ) -> tuple[Dataset, list[dict]]:
-    """Decode every image of a split once into uint8 CHW bytes (cached on disk by datasets' fingerprint); return
-    the decoded split and the images skipped, each as {row, image (its path, if any), problem}."""
+    """Decode a split once to uint8 CHW bytes (cached by fingerprint); return it and the skipped {row, image, problem}."""
     height, width = storage.shape
     kept = {k: v for k, v in dataset.features.items() if k != image_column}
     decoded = dataset.map(
@@ -478,8 +466,7 @@ def decode_splits(
 
 
 def balanced_weights(splits: ImageSplits) -> torch.Tensor:
-    """Inverse class frequency in train (scikit-learn's "balanced"): every class weighs the same in the loss.
-    Multi-label: BCE's pos_weight, negatives / positives per class: a class's positives weigh as much as its negatives."""
+    """Inverse class frequency in train (scikit-learn's "balanced"); multi-label: BCE pos_weight, negatives / positives."""
     if splits.multi_label:
         positives = label_array(splits.train).sum(0)
         weights = (len(splits.train) - positives) / np.maximum(positives, 1)

@@ -1,6 +1,5 @@
-"""A run's figures drawn by a child process while the GPU evaluates: the training plots as soon as training ends, the
-confusion matrix once the last split is scored. Drawn in the run's own process (matplotlib's import included) they
-held its end up by seconds; in a thread they slowed the evaluation through the GIL by about as much as they saved."""
+"""A run's figures drawn by a child process while the GPU evaluates: in the run's process they held its end up by
+seconds (matplotlib's import included); in a thread the GIL slowed the evaluation by about as much as they saved."""
 
 from __future__ import annotations
 

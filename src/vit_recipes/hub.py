@@ -62,14 +62,12 @@ def is_network_error(err: BaseException) -> bool:
 
         types += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
     transport = getattr(hf_errors, "HTTPError", None)
-    if isinstance(err, tuple(types)):
-        return True
-    return bool(transport and isinstance(err, transport) and not isinstance(err, hf_errors.HfHubHTTPError))
+    no_answer = bool(transport) and isinstance(err, transport) and not isinstance(err, hf_errors.HfHubHTTPError)
+    return isinstance(err, tuple(types)) or no_answer
 
 
 def reachable_or_cached(name: str, cache_dir: str | None, revision: str | None, what: str, missing=None) -> None:
-    """A Hub model id neither cached nor reachable: one line now. A file download retries a dead network with
-    backoff (about 25 s, a warning per try); one API call does not."""
+    """A Hub model id neither cached nor reachable: one line now (one API call, not a download's ~25 s of retries)."""
     if offline_env() or written_as_path(name) or os.path.exists(os.path.expanduser(name)):
         return
     if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json", cache_dir, revision), str):

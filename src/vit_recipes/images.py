@@ -1,6 +1,4 @@
-"""Decoding one image into the uint8 CHW array the DataLoader delivers. Every PIL mode is converted as transformers'
-`convert_to_rgb` does (alpha composited on white), so the saved image processor sees the pixels the script trained
-on. High-bit-depth greyscale is scaled to 8 bits by one white level for the whole dataset (data.py), never per image."""
+"""One image to the uint8 CHW array the DataLoader delivers, as RGB the way transformers' `convert_to_rgb` makes it."""
 
 from __future__ import annotations
 
@@ -21,16 +19,14 @@ def _file(value):
 
 
 def white_level(peak: float) -> float:
-    """The white of the bit depth whose range holds `peak`: 1.0 for floats in (0, 1], else 2**bits - 1 for the
-    smallest of 8, 10, 12, 14, 16 or 32 bits (so 12-bit data in a 16-bit file is scaled by its own range)."""
+    """White of the smallest bit depth holding `peak` (12-bit data in a 16-bit file: 4095); 1.0 for floats in (0, 1]."""
     if peak <= 1.0:
         return 1.0 if peak > 0 else 255.0  # all black: nothing to scale
     return float(next((2**bits - 1 for bits in (8, 10, 12, 14, 16) if peak <= 2**bits - 1), 2**32 - 1))
 
 
 def to_rgb(image: Image.Image, white: float | None = None) -> Image.Image:
-    """Any PIL mode to RGB, as transformers.image_transforms.convert_to_rgb converts the common modes; high-bit-depth
-    greyscale is scaled by 255 / `white` (default: this image's own bit depth, `white_level`)."""
+    """Any PIL mode to RGB (alpha composited on white); high-bit-depth greyscale scaled by 255 / `white` (or its own)."""
     image = ImageOps.exif_transpose(image)
     if image.mode == "RGB":
         return image

@@ -1,8 +1,5 @@
-"""Interruption as a feature: SIGINT (Ctrl-C) or SIGTERM (SLURM, cloud preemption, a launcher stopping its workers)
-during training saves a checkpoint at the next step boundary, then the run stops with one line. A second signal more
-than REPEAT_AFTER seconds later stops it at once; sooner, it is the same stop delivered twice (a terminal's Ctrl-C
-reaches the workers and their launcher, which then forwards a SIGTERM). Neither transformers nor accelerate handles
-these signals: this module sets the control flags the Trainer offers callbacks (should_save, should_training_stop)."""
+"""SIGINT/SIGTERM during training: checkpoint at the next step end, then stop with one line (through the Trainer's
+callback flags). A second signal over REPEAT_AFTER seconds later stops at once; sooner, it is a launcher forwarding."""
 
 import functools
 import signal
@@ -25,9 +22,8 @@ class RunInterrupted(Exception):
 
 
 class StopOnSignal(TrainerCallback):
-    """Catches SIGINT/SIGTERM while the Trainer trains; at the next step end, every rank agrees that some rank was
-    signalled (a launcher may signal its workers a moment apart, so one rank can see it a step before another) and
-    asks the Trainer to save a checkpoint and stop."""
+    """Catches SIGINT/SIGTERM while training; at the next step end all ranks agree one was signalled (launchers signal
+    workers a moment apart) and ask the Trainer to save and stop."""
 
     def __init__(self):
         self.signum: int | None = None  # the first signal received
@@ -43,8 +39,7 @@ class StopOnSignal(TrainerCallback):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # every rank calls on_train_begin: a collective call
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            # a signal ignored on purpose (nohup, a shell's background job) stays ignored
-            wanted = [s for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+            wanted = [s for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]  # nohup's stay ignored
             self._previous = {s: signal.signal(s, self._received) for s in wanted}
 
     def _received(self, signum, frame):
@@ -77,9 +72,8 @@ class StopOnSignal(TrainerCallback):
 
 
 def worker_ignores_stop_signals(then, worker_id: int) -> None:
-    """A DataLoader worker's init, then `then` (the Trainer's seeding), if any: SIGINT and SIGTERM are the main
-    process's to handle. Ctrl-C, scancel, a container stop and torchrun signal every worker too, and a worker killed
-    by one made the main process raise "DataLoader worker ... is killed by signal" mid-step."""
+    """A DataLoader worker's init, then `then` (if any): ignore SIGINT/SIGTERM, the main process's to handle (a killed
+    worker raised "DataLoader worker ... is killed by signal" mid-step)."""
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     if then is not None:
@@ -88,9 +82,8 @@ def worker_ignores_stop_signals(then, worker_id: int) -> None:
 
 @functools.cache
 def kill_workers_at_exit() -> None:
-    """Registered once in the main process: at exit, SIGKILL the daemonic children still alive (DataLoader workers of
-    an iterator never closed, e.g. on an error or a signal). multiprocessing's own exit hook stops them with SIGTERM,
-    which they ignore (worker_ignores_stop_signals), and then waits for them."""
+    """Once per process: at exit, SIGKILL daemonic children still alive (DataLoader workers ignore the SIGTERM that
+    multiprocessing's exit hook sends, then waits on)."""
     import atexit
     import multiprocessing
 

@@ -52,8 +52,7 @@ def check_processes(use_cpu: bool) -> None:
 
 
 def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:
-    """Delete (and return) the DeepSpeed CPU all-reduce buffers killed ranks left, before this run creates any: those
-    no live process maps, older than `min_age_s` (another job may be about to map a new one)."""
+    """Delete (and return) DeepSpeed CPU all-reduce buffers left by killed ranks: unmapped, older than `min_age_s`."""
     buffers = glob.glob(f"{SHM_BUFFER_PREFIX}*")
     if not buffers:
         return []
@@ -75,8 +74,8 @@ def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:
 
 
 def remove_shm_buffer_at_exit() -> None:
-    """Delete this rank's DeepSpeed CPU all-reduce buffer (69 MB in /dev/shm, which DeepSpeed never unlinks) at exit,
-    and on each machine's first rank the buffers killed ranks left. Ranks that mapped a buffer keep their mapping."""
+    """At exit, delete this rank's DeepSpeed all-reduce buffer (69 MB in /dev/shm, never unlinked by DeepSpeed); on
+    each machine's first rank, also those killed ranks left."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         remove_stale_shm_buffers()
     rank, port = os.environ.get("RANK"), os.environ.get("MASTER_PORT")
@@ -92,8 +91,7 @@ def remove_shm_buffer_at_exit() -> None:
 
 
 def bind_deepspeed_comm() -> None:
-    """Let DeepSpeed use the process group the arguments started (gloo with --use_cpu): otherwise ZeRO-3's zero.Init,
-    before the Trainer starts DeepSpeed, counts a world size of 1 on CPU processes and fails its batch-size check."""
+    """Let DeepSpeed use our process group (gloo with --use_cpu): else zero.Init sees world size 1 on CPU processes."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -1,5 +1,4 @@
-"""LoRA on a transformers image classifier (peft): which layers to adapt, adapting them, and putting a saved adapter
-back on its base."""
+"""LoRA (peft) on a transformers image classifier: choosing and adapting layers, and reattaching a saved adapter."""
 
 import contextlib
 import json
@@ -16,8 +15,7 @@ from .errors import RecipeError, first_line
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 BASE_RECORD = "adapter_base.json"  # which base weights an adapter was trained on (see `base_signature`)
-# Attention query/value projections by naming scheme, first match wins: transformers >= 5.2x ViT (and Llama-style
-# models), older ViT/DeiT/BEiT/Swin, timm-style fused qkv.
+# Attention query/value projections, first match wins: transformers >= 5.2x ViT, older ViT/DeiT/BEiT/Swin, timm qkv.
 DEFAULT_TARGETS = (("q_proj", "v_proj"), ("query", "value"), ("qkv",))
 ADAPTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)  # layer types peft's LoRA can adapt
 
@@ -102,8 +100,7 @@ def resolve_target_modules(model: nn.Module, requested: list[str] | None) -> lis
 
 
 def base_signature(model: nn.Module, samples: int = 16) -> list[list[float]]:
-    """A few values of the frozen base weights (embeddings and final norm), to tell whether two bases are the same
-    (`same_base`, with a tolerance so that bf16, as ZeRO-3 loads it, and fp32 match; names are ignored)."""
+    """A few values of the frozen base weights (embeddings, final norm), for `same_base` (bf16 and fp32 match)."""
     model = unwrap(model)
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
     params = [p for name, p in backbone.named_parameters() if "lora_" not in name]
@@ -148,16 +145,14 @@ def apply_lora(model: nn.Module, lora_args: LoraArguments, training_args=None):
     heads = head_module_names(model)
     rank = dict(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout)
     config = LoraConfig(**rank, target_modules=targets, modules_to_save=heads, bias="none")
-    # peft keeps adapters in fp32 over a bf16/fp16 base; ZeRO-3 needs one dtype for all parameters (its optimizer
-    # keeps fp32 master weights), so under it the adapters take the base's.
+    # peft keeps adapters fp32 over a 16-bit base; ZeRO-3 needs one dtype for all parameters: there, the base's.
     zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=not zero3)
     except ValueError as err:  # peft rejects a module type it cannot adapt
         raise RecipeError(f"--use_peft: peft cannot adapt {', '.join(targets)}: {first_line(err)}") from None
     if training_args is not None and getattr(training_args, "gradient_checkpointing", False):
-        # Reentrant checkpointing needs an input that requires grad, else "no parameters require grad"; cheap anyway.
-        unwrap(peft_model).enable_input_require_grads()
+        unwrap(peft_model).enable_input_require_grads()  # reentrant checkpointing needs an input requiring grad
     return peft_model, (
         f": adapters on {', '.join(targets)} (r={lora_args.lora_r}, alpha={lora_args.lora_alpha}, "
         f"dropout={lora_args.lora_dropout}) + the head ({', '.join(heads)})"

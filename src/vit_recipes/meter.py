@@ -1,9 +1,5 @@
-"""One meter for training speed and memory: per-log figures for every tracker (`extend_logs`), steady-state
-figures for the run (`metrics`); docs/observability.md lists them.
-
-`SpeedMeter` times the wall clock between optimizer steps and the part the loop spent waiting for data
-(ImageClassificationTrainer.get_batch_samples reports it through `add_data_wait`). Intervals that span evaluation,
-saving, an epoch start or a profiler export are dropped."""
+"""Training speed and memory: per-log figures (`extend_logs`) and the run's (`metrics`); docs/observability.md.
+Times optimizer steps and data waits (`add_data_wait`), dropping intervals over evaluation, saves, epochs, exports."""
 
 import sys
 import time

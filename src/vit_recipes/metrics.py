@@ -16,25 +16,22 @@ METRIC_PATH = str(Path(__file__).resolve().parent / "metric" / "classification")
 
 
 def load_metric(multi_label: bool = False) -> evaluate.EvaluationModule:
-    """Load the classification metric by path: no Hub access, so it works with HF_HUB_OFFLINE=1."""
+    """Load the metric by path (no Hub: works offline), in memory (no Arrow cache files for runs to clash over)."""
     import evaluate  # here, not at import: ~0.6 s of every process's start-up, needed only at evaluation
 
-    # keep_in_memory: no Arrow cache files, so runs sharing a cache never clash
     return evaluate.load(METRIC_PATH, "multilabel" if multi_label else None, keep_in_memory=True)
 
 
 def make_compute_metrics(
     metric: evaluate.EvaluationModule | None = None, multi_label: bool = False, threshold: float = 0.5
 ) -> Callable[[EvalPrediction], dict]:
-    """The Trainer's `compute_metrics` (logits, label ids or multi-hot rows -> floats); the metric module loads at the
-    first evaluation. Multi-label: a class is predicted when its sigmoid is >= threshold."""
+    """The Trainer's `compute_metrics`, loading the metric at the first evaluation; multi-label: sigmoid >= threshold."""
 
     def compute_metrics(eval_pred: EvalPrediction) -> dict[str, float]:
         nonlocal metric
         if metric is None:
             metric = load_metric(multi_label)
-        logits = eval_pred.predictions
-        # asked for hidden states or attentions: the logits come first
+        logits = eval_pred.predictions  # asked for hidden states or attentions: the logits come first
         logits = np.asarray(logits[0] if isinstance(logits, (tuple, list)) else logits)
         if multi_label:
             return metric.compute(predictions=logits, references=eval_pred.label_ids, threshold=threshold)

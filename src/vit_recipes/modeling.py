@@ -1,5 +1,4 @@
-"""The model a run trains (a checkpoint or config; in full, as LoRA adapters or the head alone; or a saved adapter
-put back on its base) and the image processor saved with it."""
+"""The model a run trains (full, LoRA, head only, or a saved adapter on its base) and its saved image processor."""
 
 import functools
 import json
@@ -34,8 +33,7 @@ DEFAULT_MEAN = DEFAULT_STD = (0.5, 0.5, 0.5)  # ViT's own normalisation
 
 
 def check_config(config: PretrainedConfig, source: str, processor_size: int | None = None) -> int:
-    """Reject configs that cannot classify images; return the input resolution (the config's image_size, else
-    `processor_size`, what the checkpoint's image processor feeds it: ResNet's config has none)."""
+    """Reject configs that cannot classify images; return the input resolution (image_size, else `processor_size`)."""
     if config.model_type not in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         raise RecipeError(
             f"'{source}' is a {config.model_type} model, not an image-classification one; use a "
@@ -54,8 +52,7 @@ def check_config(config: PretrainedConfig, source: str, processor_size: int | No
         raise RecipeError(f"image_size {image_size} is not divisible by patch_size {patch_size}; pick a multiple")
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
-        # ViT would train a narrower attention (heads x (hidden // heads) wide) without a word
-        raise RecipeError(
+        raise RecipeError(  # ViT would silently train a narrower attention
             f"hidden_size {hidden} is not divisible by num_attention_heads {heads}: pick a head count that divides it "
             f"(e.g. {next(h for h in range(heads, 0, -1) if hidden % h == 0)})"
         )
@@ -73,10 +70,8 @@ def build_model(model_args, label_names: list[str]):
     config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
     if hasattr(config, "label_names"):  # timm's config.json: saved instead of id2label, and it would win
         config.label_names = list(label_names)
-    # the processor only when the config has no size (ResNet): loading it costs start-up time
-    image_size = check_config(
-        config, source, None if getattr(config, "image_size", None) else processor_image_size(model_args)
-    )
+    processor_size = None if getattr(config, "image_size", None) else processor_image_size(model_args)  # ResNet
+    image_size = check_config(config, source, processor_size)
     rate, own = model_args.drop_path_rate, hasattr(config, "drop_path_rate")  # BEiT, DINOv2, Swin, ConvNeXt, ...
     if rate is not None and own:
         config.drop_path_rate = rate
@@ -128,8 +123,7 @@ def build_model(model_args, label_names: list[str]):
 
 
 def attention_for(config: PretrainedConfig, asked: str) -> str | None:
-    """The attention implementation to build with: 'auto' is transformers' own choice (SDPA where the model class
-    has it, else eager); 'sdpa' on a class without it is one line here, not transformers' traceback."""
+    """The attention implementation: 'auto' lets transformers pick (SDPA, else eager); 'sdpa' unsupported: one line."""
     model_class = classifier_class(config)
     has_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
     if config.model_type == "timm_wrapper" and asked != "auto":  # transformers only warns that timm ignores it
@@ -198,7 +192,7 @@ class FinetuneSetup:
 
 def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, training_args):
     """Fill in the parameter counts and LoRA settings (for the card), and print the summary line."""
-    # ZeRO-3-sharded parameters count in full
+    # ZeRO-3: in full
     sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
     total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
     percent = round(100 * trainable / max(total, 1), 4)
@@ -259,8 +253,8 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
 
 
 def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", cache_dir: str | None = None):
-    """The checkpoint's tensors minus those whose shape changes (the new head, then initialised like any missing
-    weight), or None. As in transformers, only rank 0 reads values; other ranks get meta tensors."""
+    """The checkpoint's tensors minus the reshaped ones (the new head, initialised as missing), or None. As in
+    transformers, only rank 0 reads values; other ranks get meta tensors."""
     import torch
     from accelerate import init_empty_weights
     from safetensors import safe_open

@@ -1,6 +1,5 @@
-"""What a built Trainer reports while it trains: the speed meter in every tracker's logs, final metrics in
-TensorBoard, the PyTorch profiler window (--profile_steps) and DeepSpeed's flops profile. The files the profiler
-writes and how to read them: docs/observability.md."""
+"""What a Trainer reports while it trains: speed meter, final metrics in TensorBoard, the profiler window
+(--profile_steps) and DeepSpeed's flops profile (docs/observability.md)."""
 
 import json
 import logging
@@ -18,9 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class ProfilerCallback(TrainerCallback):
-    """Profile optimizer steps `first`..`last` (1-based, inclusive) on every rank. The profiler starts one step
-    early to warm up where it can (starting it is slow), and each step spans end-of-step to end-of-step, so it
-    includes its data loading. If training ends inside the window, what was recorded is written at train end."""
+    """Profile optimizer steps `first`..`last` (1-based, inclusive, data loading included) on every rank, warming up
+    one step early where it can; a run ending inside the window writes what was recorded."""
 
     def __init__(self, first: int, last: int, output_dir: str, options: dict, pause: list):
         self.first, self.last = first, last
@@ -143,8 +141,7 @@ class _KeepFlopsProfile(TrainerCallback):
 
 
 class _PredictionsToTensorBoard(TrainerCallback):
-    """transformers' TensorBoardCallback has no on_predict (the W&B and trackio ones do): forward the final
-    eval/test metrics of Trainer.predict to it, so TensorBoard shows them too (eval/..., test/...)."""
+    """Forward Trainer.predict's final metrics to TensorBoardCallback, which has no on_predict (W&B/trackio do)."""
 
     def __init__(self, tensorboard):
         self.tensorboard = tensorboard
@@ -159,8 +156,7 @@ def attach(trainer, observe: ObservabilityArguments, meter: SpeedMeter) -> None:
     from transformers.integrations import TensorBoardCallback
 
     if not trainer.args.run_name:
-        # One name for the whole script: trackio finishes its run at train end and resumes it by name, so the final
-        # eval/test metrics of Trainer.predict land in the same run (without a name they open a new, random one).
+        # One name for the script: trackio resumes its run by name, so Trainer.predict's metrics land in the same run.
         folder = os.path.basename(os.path.abspath(trainer.args.output_dir))
         trainer.args.run_name = f"{folder}-{time.strftime('%Y%m%d-%H%M%S')}"
     trainer.add_callback(meter)

@@ -1,6 +1,4 @@
-"""The patch embedding (a Conv2d whose kernel equals its stride) as one matmul over the flattened patches, which GPUs
-run far faster than the strided convolution (docs/benchmarks.md); `--patch_embedding_matmul`, on by default. The
-module keeps its parameters and state-dict keys, so checkpoints, LoRA, DeepSpeed and FSDP see no difference."""
+"""The patch-embedding Conv2d as one matmul (faster on GPUs); its parameters and state-dict keys stay the same."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def use_patch_matmul(model: nn.Module, enabled: bool = True) -> int:
     if not enabled:
         return 0
     convs = [m for m in model.modules() if is_patch_conv(m)]
-    for conv in convs:
-        # Swapping the class keeps the parameter objects (and any DeepSpeed/FSDP attributes on them) untouched.
+    for conv in convs:  # swapping the class keeps the parameters (and DeepSpeed/FSDP attributes on them) untouched
         conv.__class__ = PatchMatmulConv2d
     if convs:
         logger.info("Patch embedding computed as a matmul (%d convolution(s); --patch_embedding_matmul)", len(convs))

@@ -1,6 +1,4 @@
-"""PNG plots of a run from `trainer.state.log_history` (tools/redraw_plots.py redraws them from trainer_state.json):
-training curves, validation metrics, and throughput and memory (meter.SpeedMeter). reports.py draws the confusion
-matrix."""
+"""PNG plots of `trainer.state.log_history`: training curves, validation metrics, throughput and memory."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ def figure_grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[F
 
     fig = Figure(figsize=(width * cols, height * rows), dpi=100)
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(panels)]
-    return fig, axes
+    return fig, [fig.add_subplot(rows, cols, i + 1) for i in range(panels)]
 
 
 # What each logged key is, for people: (title, y-axis label). Others: the key in words, unit-less.
@@ -41,7 +38,6 @@ _KNOWN = {
     "loss": ("Loss", "loss (batch mean)"),  # per image, or per image and label (multi-label)
     "learning_rate": ("Learning rate", "learning rate"),
     "grad_norm": ("Gradient norm (mean over each logging window)", "L2 norm, before clipping"),
-    "accuracy": ("Accuracy", _FRACTION),
     "top5_accuracy": ("Top-5 accuracy", _FRACTION),
     "f1_macro": ("F1 (macro)", _FRACTION),
     "f1_micro": ("F1 (micro)", _FRACTION),
@@ -71,8 +67,7 @@ def describe(key: str) -> tuple[str, str]:
 
 
 def _finish(ax, title: str, ylabel: str, legend: bool = False) -> None:
-    """Title, labelled axes and grid. Every quantity is drawn from zero (a 0.996 -> 1.0 step is not a cliff), fractions
-    up to just above 1, others with headroom, so no point touches the frame; a legend goes below the axes."""
+    """Title, axes, grid; y from zero (a 0.996 -> 1.0 step is no cliff) with headroom; a legend goes below the axes."""
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)

@@ -1,5 +1,4 @@
-"""End-of-run reports: confusion matrix (PNG) and per-class accuracy (CSV + markdown best/worst tables); multi-label:
-per-class AP, precision, recall and F1 (CSV + markdown) instead."""
+"""End-of-run reports: confusion matrix PNG, per-class accuracy CSV + markdown (multi-label: AP, precision, recall, F1)."""
 
 import csv
 import math
@@ -37,17 +36,14 @@ def per_class_accuracy(labels: np.ndarray, predictions: np.ndarray, label_names:
 
 
 def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str, title: str = "") -> str:
-    """Save the confusion matrix as a PNG coloured by the fraction of each true class (rare classes show as well as
-    common ones), with counts in the cells of small matrices; return its path."""
+    """Save the matrix as a PNG coloured by fraction of true class (rare classes show too), counts on small ones."""
     matrix = np.asarray(matrix)
     num_classes = len(label_names)
     rows = matrix.sum(1, keepdims=True)
     normalised = np.divide(matrix, rows, out=np.zeros(matrix.shape), where=rows > 0)
     ticks = np.arange(0, num_classes, max(1, math.ceil(num_classes / MAX_LABELLED_CLASSES)))
-    # The figure (inches) grows with the class count, capped so files stay a few MB; the tick font (points) fills
-    # about half of each labelled row, so 100+ classes stay readable.
-    side = min(22.0, max(7.0, 3.0 + 0.18 * num_classes))
-    font = min(10.0, max(5.0, 800 / max(len(ticks), 1)))
+    side = min(22.0, max(7.0, 3.0 + 0.18 * num_classes))  # inches, capped so files stay a few MB
+    font = min(10.0, max(5.0, 800 / max(len(ticks), 1)))  # points: half of each labelled row, readable at 100+ classes
     from matplotlib.font_manager import FontProperties  # imported here: only rank 0 draws, at the end
 
     fig, (ax,) = figure_grid(1, side + 1, side)  # extra width for the colourbar
@@ -76,8 +72,7 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
 
 
 def tick_names(names: list[str], ids) -> tuple[list[str], str | None]:
-    """The names and a font file that draws every character of them: matplotlib's default font when it can, else an
-    installed font that can (CJK names in DejaVu Sans are boxes), else the class ids, with no font."""
+    """The names and a font drawing all of them (None: the default), else the class ids (CJK in DejaVu Sans: boxes)."""
     from matplotlib import font_manager
     from matplotlib.ft2font import FT2Font
 
@@ -95,8 +90,7 @@ def tick_names(names: list[str], ids) -> tuple[list[str], str | None]:
 
 
 def per_class_multi_label(logits: np.ndarray, targets: np.ndarray, label_names: list[str], threshold: float) -> list:
-    """One row per class: AP (scikit-learn's average_precision_score; None without a positive), and precision, recall
-    and F1 of `sigmoid >= threshold` (0 where undefined: scikit-learn's zero_division=0)."""
+    """Per class: AP (None without a positive), precision, recall, F1 of `sigmoid >= threshold` (zero_division=0)."""
     from .metric.classification.classification import _safe_divide, average_precision  # the metric's own, not copies
 
     truth, predicted = targets > 0.5, logits >= np.log(threshold / (1 - threshold))
@@ -146,8 +140,7 @@ def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
 def write_reports(
     logits, labels, label_names: list[str], output_dir: str, split="test", top_n=10, threshold=0.5, draw=None
 ) -> dict:
-    """The module docstring's reports of one split, written; returns their paths. Multi-label: predicted where
-    sigmoid >= threshold. `draw` draws the matrix (figures.FigureProcess: in a child process)."""
+    """Write one split's reports; returns their paths. `draw` draws the matrix (figures.FigureProcess: a child)."""
     logits, labels = np.asarray(logits), np.asarray(labels)
     multi = labels.ndim == 2 and labels.shape[1] > 1
     labels = labels if multi else labels.reshape(-1)

@@ -1,7 +1,7 @@
 """The output directory holds one run: resume it, or refuse to mix another run into it. Never overwrite silently.
 
-`run_identity.json`, written into `checkpoint-N` last, once every rank's files are on disk, records the run that
-wrote it. Auto-resume skips a checkpoint without it (incomplete), saying so, and refuses one of another run."""
+`run_identity.json`, written into `checkpoint-N` last (every rank's files on disk), records the run that wrote it:
+auto-resume skips, saying so, a checkpoint without it (incomplete) and refuses one of another run."""
 
 import json
 import logging
@@ -70,16 +70,19 @@ def _differences(saved: dict, now: dict) -> list[str]:
     return [f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in keys if saved.get(k) != now.get(k)]
 
 
+def _refuse(refusal: str, resume_from: str | None = None) -> OutputState:
+    return OutputState("refuse", resume_from, refusal=refusal)
+
+
 def resolve_output_dir(training_args, run: dict) -> OutputState:
     if not training_args.do_train:
         return OutputState("fresh")
     if explicit := training_args.resume_from_checkpoint:
         # --resume_from_checkpoint resumes whichever run wrote it ("resume anyway"); it must be complete.
         if not (Path(explicit) / TRAINER_STATE).is_file():
-            return OutputState(
-                "refuse",
-                refusal=f"--resume_from_checkpoint {explicit} is not a complete checkpoint (no {TRAINER_STATE}): "
-                "pass a checkpoint-N folder a run finished writing, or drop the flag to start fresh",
+            return _refuse(
+                f"--resume_from_checkpoint {explicit} is not a complete checkpoint (no {TRAINER_STATE}): "
+                "pass a checkpoint-N folder a run finished writing, or drop the flag to start fresh"
             )
         record = Path(explicit) / CHECKPOINT_RECORD
         if record.is_file() and (changed := _differences(json.loads(record.read_text()), run)):
@@ -94,9 +97,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
         return OutputState("overwrite", None, tuple(map(str, ours)))
     saved_file = out / RUN_FILE
     if not saved_file.is_file():
-        return OutputState(
-            "refuse", refusal=f"output_dir {out} is not empty and holds no run of this script; {_ELSEWHERE}"
-        )
+        return _refuse(f"output_dir {out} is not empty and holds no run of this script; {_ELSEWHERE}")
     found = checkpoints(out)
     complete = next((c for c in found if (c / CHECKPOINT_RECORD).is_file()), None)
     if skipped := [c.name for c in found[: found.index(complete) if complete else len(found)]]:
@@ -106,30 +107,23 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
         )
     candidate = str(complete) if complete else None
     if changed := _differences(json.loads(saved_file.read_text()), run):
-        return OutputState(
-            "refuse",
-            candidate,
-            refusal=f"output_dir {out} holds a different run ({changed[0]}); {_ELSEWHERE}"
-            + (f", or resume its {complete.name} anyway with --resume_from_checkpoint {complete}" if complete else ""),
-        )
-    # Finished: its results and model card are written (the card last; killed before it, the run resumes) and this
-    # command asks for no more steps or epochs. Resuming its final checkpoint would train nothing and rewrite both,
-    # losing the training time and throughput they hold.
+        anyway = f", or resume its {complete.name} anyway with --resume_from_checkpoint {complete}" if complete else ""
+        return _refuse(f"output_dir {out} holds a different run ({changed[0]}); {_ELSEWHERE}{anyway}", candidate)
+    # Finished: results and model card written (the card last) and no more steps or epochs asked for. Resuming would
+    # train nothing and rewrite both, losing the training time and throughput they hold.
     finished = (out / "all_results.json").is_file() and (not complete or (out / "README.md").is_file())
     if finished and not (complete and _asks_for_more(training_args, complete)):
-        return OutputState(
-            "refuse",
-            refusal=f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to train "
-            "again or choose another --output_dir",
+        return _refuse(
+            f"output_dir {out} holds a finished run of this recipe; pass --overwrite_output_dir to train "
+            "again or choose another --output_dir"
         )
     if complete:
         if changed := _differences(json.loads((complete / CHECKPOINT_RECORD).read_text()), run):
-            return OutputState(
-                "refuse",
-                candidate,
-                refusal=f"{complete} was written by another run ({changed[0]}): resume it anyway with "
+            return _refuse(
+                f"{complete} was written by another run ({changed[0]}): resume it anyway with "
                 f"--resume_from_checkpoint {complete}, or start fresh with --overwrite_output_dir (which removes "
                 "the old run's checkpoints)",
+                candidate,
             )
         logger.warning("Resuming the run found in %s from %s", out, complete)
         return OutputState("resume", candidate)
@@ -180,9 +174,8 @@ def remove_checkpoints(paths: tuple[str, ...]) -> None:
 
 
 def to_universal(checkpoint: str | os.PathLike) -> None:
-    """Make a DeepSpeed checkpoint loadable by another process count: DeepSpeed's own converter (ds_to_universal)
-    writes every parameter's fp32 weights and optimizer state whole, beside the ZeRO shards, then `latest_universal`
-    last: its presence marks a finished conversion, so a cut one is redone and a finished one reused."""
+    """Make a DeepSpeed checkpoint loadable by another process count (ds_to_universal: whole fp32 weights and optimizer
+    state beside the ZeRO shards). `latest_universal`, written last, marks it finished: a cut one is redone."""
     from types import SimpleNamespace
 
     from deepspeed.checkpoint import ds_to_universal

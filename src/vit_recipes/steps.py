@@ -133,15 +133,8 @@ def build_trainer(
     return trainer, meter
 
 
-def train(
-    trainer,
-    plan: RunPlan,
-    splits: ImageSplits,
-    finetune: FinetuneSetup,
-    meter: SpeedMeter,
-    decode_seconds: float,
-    compiled: str | None = None,
-) -> dict:
+def train(trainer, plan: RunPlan, splits: ImageSplits, finetune: FinetuneSetup, meter: SpeedMeter,
+          decode_seconds: float, compiled: str | None = None) -> dict:  # fmt: skip
     """Train (resuming the plan's checkpoint), save the final model, and return the train metrics. `compiled`: the
     compile-cache key of a compiled run (`decide_compile`), recorded once it has trained."""
     output_dir = trainer.args.output_dir
@@ -156,8 +149,7 @@ def train(
     train_result = trainer.train(resume_from_checkpoint=plan.resume_from)
     if trainer.is_world_process_zero():
         remember_compiled(compiled)  # the next run of this model and batch compiles from the cache
-    # Under DeepSpeed/FSDP this gathers a plain, loadable model; LoRA: the adapter, or the merged model.
-    save_final_model(trainer, finetune)
+    save_final_model(trainer, finetune)  # DeepSpeed/FSDP: gathered, plain; LoRA: the adapter or merged model
     metrics = {**train_result.metrics, **meter.metrics(), **finetune.metrics}  # + trainable/total parameters
     if before is not None and trainer.state.global_step:  # the whole run's mean, not the mean since the resume
         metrics["train_loss"] = trainer.mean_loss_sum() / trainer.state.global_step
@@ -200,8 +192,7 @@ def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
 
 
 def evaluated_at_the_end(trainer) -> dict | None:
-    """The validation metrics of an evaluation during training at its last step, when the model has not changed
-    since (no weight average swapped in, no best checkpoint loaded); else None."""
+    """Metrics of an evaluation at the last step if the model is unchanged since (no EMA, no best), else None."""
     state, t = trainer.state, trainer.args
     last = next((entry for entry in reversed(state.log_history) if "eval_loss" in entry), None)
     if last is None or last.get("step") != state.global_step or trainer.ema is not None or t.load_best_model_at_end:
@@ -210,8 +201,8 @@ def evaluated_at_the_end(trainer) -> dict | None:
 
 
 def start_figures(trainer, plots: bool) -> FigureProcess | None:
-    """On rank 0, a child process that draws the training plots now, while the GPU evaluates, and the confusion matrix
-    once `write_run_reports` has it (figures.py). None where there is nothing to plot (predict-only, --plots false)."""
+    """On rank 0, a child process drawing the plots while the GPU evaluates, then the confusion matrix (figures.py).
+    None where there is nothing to plot (predict-only, --plots false)."""
     if not (plots and trainer.is_world_process_zero() and trainer.state.log_history):
         return None
     t = trainer.args

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import shutil
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 def steps_to_parameter_devices(optimizer) -> int:
-    """Put each fused or capturable optimizer's `step` on its parameter's device; returns how many were moved.
-
-    torch's Optimizer.load_state_dict does this (fused and capturable AdamW need `step` beside the parameters), but
-    DeepSpeed's universal loader for ZeRO-1/2 (load_hp_checkpoint_state_from_checkpoint_dir) assigns the saved `step`,
-    a CPU tensor, directly: the first fused step on a GPU then stops with "state_steps is on cpu". Offloaded states
-    stay where their (CPU) parameters are."""
+    """Put each fused/capturable optimizer `step` on its parameter's device, as torch's load_state_dict does and
+    DeepSpeed's ZeRO-1/2 universal loader does not ("state_steps is on cpu"); returns how many were moved."""
     while getattr(optimizer, "optimizer", None) not in (None, optimizer):
         optimizer = optimizer.optimizer  # accelerate's and DeepSpeed's wrappers hold the torch optimizer
     moved = 0
@@ -47,17 +43,6 @@ def steps_to_parameter_devices(optimizer) -> int:
                 optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
                 moved += 1
     return moved
-
-
-@contextlib.contextmanager
-def _overridden(args, name: str, value):
-    """`args.<name>` set to `value` inside the block, restored however the block ends."""
-    saved = getattr(args, name)
-    setattr(args, name, value)
-    try:
-        yield
-    finally:
-        setattr(args, name, saved)
 
 
 class _NothingLeftToTrain(Exception):
@@ -74,9 +59,8 @@ class _StopAtTheLastStep(TrainerCallback):
 
 
 class ImageClassificationTrainer(Trainer):
-    """`Trainer` plus device transforms (uint8 batches augmented and normalised on the device), our loss (label
-    smoothing, mixup/cutmix soft targets, multi-label BCE), checkpoints that record their run and loss last, once
-    complete (run_dir.py), resumes that never train past the last step, and our model card."""
+    """`Trainer` plus device transforms for uint8 batches, our loss (smoothing, mixup/cutmix, multi-label BCE),
+    checkpoints completed by their run and loss record (run_dir.py), resumes that stop at the last step, our card."""
 
     def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, class_weights=None,
                  sample_weights=None, **kw):  # fmt: skip
@@ -90,17 +74,12 @@ class ImageClassificationTrainer(Trainer):
         self._grad_norms: tuple = (0.0, 0)  # (sum, steps) since the last log: logged as their mean
         self.run_identity: dict = {}  # the plan's identity, recorded in every checkpoint (run_dir.py)
         self.threshold = 0.5  # multi-label: a class is predicted when its sigmoid reaches this (reports)
-        # The sum of training_step losses since step 0, resumes included (the Trainer's own train_loss averages only
-        # the steps after a resume): restored from a checkpoint's train_loss.json by steps.train.
-        self.loss_sum = 0.0
-        # Which transform a batch gets: set by training_step / prediction_step, not read off self.model.training:
-        # regional compilation trains a copy of the top module and self.model stays in eval mode.
+        self.loss_sum = 0.0  # training losses since step 0, resumes included (restored by steps.train)
+        # Set by training_step / prediction_step: under regional compilation self.model stays in eval mode.
         self._training_batch = False
-        # The Trainer's NaN/inf loss filter reads each step's loss on the host, a GPU sync that idles the GPU while
-        # the host prepares the next step: train() turns it off, training_step applies its rule on the device.
+        # The NaN/inf loss filter syncs the GPU per step: train() turns it off, training_step applies it on device.
         self.filter_nan_inf = self.args.logging_nan_inf_filter
-        # compute_loss returns a per-batch mean, so the Trainer must scale it for gradient accumulation.
-        self.model_accepts_loss_kwargs = False
+        self.model_accepts_loss_kwargs = False  # compute_loss returns a per-batch mean: the Trainer scales it
         self.add_callback(_StopAtTheLastStep())
         self.stop_on_signal = StopOnSignal()  # SIGINT/SIGTERM: checkpoint at the next step end, then stop
         self.add_callback(self.stop_on_signal)
@@ -117,12 +96,10 @@ class ImageClassificationTrainer(Trainer):
         self.accelerator.backward = labelled_backward
 
     def _get_dataloader(self, *args, is_training=False, **kwargs):
-        # The Trainer drops short last batches everywhere; we drop them (for torch.compile) in training only, so
-        # evaluation and prediction score every image.
-        with _overridden(self.args, "dataloader_drop_last", self.args.dataloader_drop_last and is_training):
+        # Short last batches dropped (for torch.compile) in training only: evaluation and prediction score every image.
+        with mock.patch.object(self.args, "dataloader_drop_last", self.args.dataloader_drop_last and is_training):
             loader = super()._get_dataloader(*args, is_training=is_training, **kwargs)
-        # accelerate's DataLoaderShard iterates a DataLoader it holds
-        base = getattr(loader, "base_dataloader", loader)
+        base = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard holds a DataLoader
         if base.num_workers > 0:  # read when the workers start, each time the loader is iterated
             base.worker_init_fn = functools.partial(worker_ignores_stop_signals, base.worker_init_fn)
         return loader
@@ -130,8 +107,7 @@ class ImageClassificationTrainer(Trainer):
     def _get_train_sampler(self, train_dataset=None):
         if self.sample_weights is None:
             return super()._get_train_sampler(train_dataset)
-        # Seeded: every rank draws the same sequence, which accelerate then splits between them.
-        generator = torch.Generator().manual_seed(self.args.seed)
+        generator = torch.Generator().manual_seed(self.args.seed)  # every rank draws the same, accelerate splits it
         return WeightedRandomSampler(self.sample_weights, len(self.sample_weights), generator=generator)
 
     def train(self, resume_from_checkpoint=None, **kwargs):
@@ -144,7 +120,7 @@ class ImageClassificationTrainer(Trainer):
             self.ema.load(resume_from_checkpoint, self.model)
         self.filter_nan_inf = self.args.logging_nan_inf_filter
         try:
-            with _overridden(self.args, "logging_nan_inf_filter", False):
+            with mock.patch.object(self.args, "logging_nan_inf_filter", False):
                 output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except _NothingLeftToTrain:  # the checkpoint's weights and state are loaded: the final save comes next
             self.is_in_train = False
@@ -176,8 +152,7 @@ class ImageClassificationTrainer(Trainer):
         return float(self.accelerator.reduce(total, reduction="mean"))
 
     def release_dataloaders(self) -> None:
-        """Stop every DataLoader's worker processes now (the Trainer and accelerate keep persistent workers alive
-        until the interpreter exits, whose teardown is far slower)."""
+        """Stop every DataLoader's workers now (persistent ones live until the far slower interpreter exit)."""
         loaders = list(getattr(self.accelerator, "_dataloaders", []))
         loaders += list((getattr(self, "_eval_dataloaders", None) or {}).values())
         for loader in loaders:
@@ -196,8 +171,7 @@ class ImageClassificationTrainer(Trainer):
         return batches
 
     def _get_grad_norm(self, model, grad_norm=None):
-        # Every optimizer step's norm, summed where it is (no GPU sync): the log then shows the window's mean, not
-        # the last step's, which for one step in 100 zig-zags.
+        # Every step's norm, summed on its device (no sync): the log shows the window's mean, not the last step's.
         norm = super()._get_grad_norm(model, grad_norm)
         if norm is not None:
             value = norm.detach().float() if torch.is_tensor(norm) else float(norm)
@@ -209,8 +183,7 @@ class ImageClassificationTrainer(Trainer):
             total, count = self._grad_norms
             logs["grad_norm"] = (total.item() if torch.is_tensor(total) else total) / count  # as the Trainer reads it
             self._grad_norms = (0.0, 0)
-        # Per-step speed and memory (meter.SpeedMeter) join the logs before any tracker sees them.
-        # Called on every rank: extend_logs may gather values across ranks.
+        # Speed and memory (meter.SpeedMeter) join the logs before any tracker; on every rank (extend_logs gathers).
         for callback in self.callback_handler.callbacks:
             if hasattr(callback, "extend_logs"):
                 logs.update(callback.extend_logs(logs, self.args, self.state))
@@ -227,8 +200,7 @@ class ImageClassificationTrainer(Trainer):
         return loss
 
     def evaluation_loop(self, *args, **kwargs):
-        # Inside train() the Trainer's filter is off: evaluation reads the user's setting.
-        with _overridden(self.args, "logging_nan_inf_filter", self.filter_nan_inf):
+        with mock.patch.object(self.args, "logging_nan_inf_filter", self.filter_nan_inf):  # off inside train()
             return super().evaluation_loop(*args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -276,16 +248,14 @@ class ImageClassificationTrainer(Trainer):
         try:
             super()._save_checkpoint(model, trial)
         except Exception as err:  # a full disk surfaces as OSError, RuntimeError (torch.save) or SafetensorError
-            free = shutil.disk_usage(self.args.output_dir).free / 2**30
-            # torch.save on a full disk says "[enforce fail at inline_container.cc] . unexpected pos ..."
+            free = shutil.disk_usage(self.args.output_dir).free / 2**30  # torch.save says "... unexpected pos ..."
             full = getattr(err, "errno", None) == 28 or "unexpected pos" in str(err) or "No space left" in str(err)
             cause = "no space left on the device" if full else first_line(err)
             raise RecipeError(
                 f"writing {folder} failed ({cause}; {free:.1f} GiB free there): the last complete "
                 "checkpoint is kept, and the same command resumes from it once the cause is fixed"
             ) from err
-        # Every rank's files are on disk before the record that makes the checkpoint complete (run_dir.py): a crash
-        # or a full disk before this line leaves a folder auto-resume skips instead of one it fails on.
+        # Every rank's files are on disk before the record completing the checkpoint: auto-resume skips one without.
         loss_sum = self.mean_loss_sum()
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
@@ -296,8 +266,7 @@ class ImageClassificationTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = model if model is not None else self.model
-        # transformers 5.2x saves ViT under its original key names but resumes with a raw load_state_dict, which
-        # silently leaves the new layer names unloaded. from_pretrained applies the key conversion.
+        # transformers 5.2x resumes with a raw load_state_dict that skips renamed ViT keys: from_pretrained converts.
         weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(model, PreTrainedModel)
         try:
@@ -318,8 +287,7 @@ class ImageClassificationTrainer(Trainer):
             ) from err
 
     def _load_best_model(self):
-        # The Trainer's own loader reads the best checkpoint with a non-strict load_state_dict, which (5.2x key names,
-        # as in _load_from_checkpoint) loads the head and embeddings alone and keeps the last step's layers.
+        # The Trainer's non-strict load skips renamed 5.2x keys (_load_from_checkpoint): it would load the head alone.
         best = self.state.best_model_checkpoint
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(self.model, PreTrainedModel)
         if not (plain and os.path.isfile(os.path.join(best, SAFE_WEIGHTS_NAME))):
@@ -329,24 +297,20 @@ class ImageClassificationTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        # Under DeepSpeed, deepspeed_load_checkpoint has just loaded the optimizer (universal checkpoints included).
-        if checkpoint and self.is_deepspeed_enabled:
+        if checkpoint and self.is_deepspeed_enabled:  # deepspeed_load_checkpoint has just loaded the optimizer
             steps_to_parameter_devices(self.optimizer)
 
-    def create_model_card(self, *args, **kwargs):
-        # push_to_hub calls this before uploading: ours replaces transformers' generic card.
+    def create_model_card(self, *args, **kwargs):  # push_to_hub calls it: ours replaces transformers' card
         if self.card is not None and self.is_world_process_zero():
             write_model_card(self.card, self.args.output_dir)
 
     def _save(self, output_dir=None, state_dict=None):
-        # Final model and checkpoints. Under FSDP's activation checkpointing peft would find no LoRA weight in the
-        # state dict and save the head alone: it matches by module names, which the wrappers change (adapters.py).
+        # Under FSDP activation checkpointing peft would save the head alone (wrappers rename modules: adapters.py).
         with without_activation_wrappers(self.model):
             super()._save(output_dir, state_dict)
 
     def save_model(self, output_dir=None, _internal_call=False):
-        # keep_saved_model: output_dir holds a final model that is not self.model (a merged LoRA model, adapters.py);
-        # push_to_hub's own save (internal, to output_dir) must not write the adapter over it.
+        # keep_saved_model: output_dir holds a merged LoRA model (adapters.py) push_to_hub's save must not overwrite.
         if _internal_call and output_dir is None and getattr(self, "keep_saved_model", False):
             return
         super().save_model(output_dir, _internal_call)

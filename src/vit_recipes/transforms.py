@@ -1,10 +1,8 @@
 """Batched image transforms on the training device: uint8 (B, 3, H, W) at storage size -> normalised (B, 3, S, S).
-
-Train: random-resized crop and flip in one bilinear `grid_sample` (no antialiasing: storage is at most ~1.14x the
-model size and crops only enlarge), then optionally RandAugment/TrivialAugmentWide with torchvision's ops and
-magnitudes (geometric ops bilinear with black fill; torchvision: nearest). Randomness: torch's global RNG.
-Eval does what the saved image processor (PIL bicubic, uint8) does: torch's antialiased bicubic in two passes rounded
-to uint8, like PIL, matches it within 1-2 levels (tests/test_transforms.py), so scores carry over."""
+Train: random-resized crop and flip in one bilinear `grid_sample` (no antialiasing: storage is at most ~1.14x the model
+size, crops only enlarge), then optional RandAugment/TrivialAugmentWide with torchvision's ops and magnitudes (geometric
+ops bilinear, black fill; torchvision: nearest), all from torch's global RNG. Eval matches the saved PIL bicubic image
+processor within 1-2 levels (antialiased bicubic in two passes rounded to uint8), so scores carry over."""
 
 import math
 from collections.abc import Callable, Sequence
@@ -34,9 +32,7 @@ class _Normalized(nn.Module):
 def sample_crop_flip_theta(
     batch: int, height: int, width: int, scale: tuple[float, float], hflip_prob: float, device="cpu"
 ) -> Tensor:
-    """`affine_grid` thetas (B, 2, 3) of a random-resized crop and horizontal flip per sample, torchvision's sampling
-    batched: of CROP_ATTEMPTS (area, log-uniform aspect) draws the first that fits wins, else the largest centre crop
-    with an aspect inside CROP_RATIO. Crops stay continuous (resampled, not sliced); scale[0] >= 1: the whole image."""
+    """`affine_grid` thetas (B, 2, 3): torchvision's RandomResizedCrop sampling and a flip, batched, per sample."""
     u = torch.rand(batch, 2 * CROP_ATTEMPTS + 3, device=device)  # one RNG call for everything
     u_area, u_aspect, (u_x, u_y, u_flip) = u[:, :CROP_ATTEMPTS], u[:, CROP_ATTEMPTS:-3], u[:, -3:].unbind(1)
     if scale[0] >= 1:
@@ -50,8 +46,7 @@ def sample_crop_flip_theta(
         fits = (w_try <= width) & (h_try <= height)
         first = fits.int().argmax(1, keepdim=True)  # argmax returns the first maximal index
         found = fits.any(1)
-        # torchvision's fallback: the whole image, trimmed to an aspect ratio inside CROP_RATIO
-        (low, high), aspect = CROP_RATIO, width / height
+        (low, high), aspect = CROP_RATIO, width / height  # fallback: the whole image, trimmed to CROP_RATIO
         fallback_w = height * high if aspect > high else float(width)
         fallback_h = width / low if aspect < low else float(height)
         w = torch.where(found, w_try.gather(1, first).squeeze(1), fallback_w)
@@ -66,8 +61,7 @@ def sample_crop_flip_theta(
 
 
 def affine_grid(theta: Tensor, size: int) -> Tensor:
-    """`F.affine_grid(theta, (B, C, size, size), align_corners=False)` as a few elementwise passes over broadcast
-    rows and columns. affine_grid's batched matmul with an inner size of 3 runs poorly on GPUs (docs/benchmarks.md)."""
+    """`F.affine_grid(..., align_corners=False)` by elementwise passes: its 3-wide batched matmul is slow on GPUs."""
     coords = (torch.arange(size, device=theta.device, dtype=theta.dtype) * 2 + 1) / size - 1  # pixel centres
     xs, ys = coords.view(1, 1, size), coords.view(1, size, 1)
     t = theta.view(-1, 6, 1, 1).unbind(1)
@@ -80,8 +74,7 @@ def resample(x: Tensor, theta: Tensor, size: int, padding_mode: str) -> Tensor:
 
 
 def _warp(x: Tensor, m: Tensor, a, b, c, d, tx, ty) -> Tensor:
-    """Sample x at [[a, b], [c, d]] @ p + (tx, ty) for each output point p (pixels from the centre); black fill.
-    Each entry is a number or a per-sample tensor shaped like the magnitudes m."""
+    """Sample x at [[a, b], [c, d]] @ p + (tx, ty) per output pixel p (from the centre; numbers or tensors like m)."""
     half = x.shape[-1] / 2  # square images: normalised coords are pixels / half on both axes
     zero = torch.zeros_like(m)
     theta = torch.stack([zero + v for v in (a, b, tx / half, c, d, ty / half)], 1).view(-1, 2, 3)
@@ -93,13 +86,9 @@ def rotate(x: Tensor, degrees: Tensor) -> Tensor:
     return _warp(x, degrees, cos, -sin, sin, cos, 0, 0)
 
 
-def _per_sample(m: Tensor) -> Tensor:
-    return m.view(-1, 1, 1, 1)
-
-
 def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
     """torchvision/PIL enhance: interpolate (or extrapolate) from a degenerate image towards x."""
-    factor = _per_sample(factor)
+    factor = factor.view(-1, 1, 1, 1)
     return (factor * x + (1 - factor) * degenerate).clamp(0, 255)
 
 
@@ -118,14 +107,10 @@ def sharpness(x: Tensor, m: Tensor) -> Tensor:
     return _blend(x, degenerate, 1 + m)
 
 
-def _levels(x: Tensor) -> Tensor:
-    """Nearest uint8 level, as float: posterize and equalize are defined on uint8 images."""
-    return x.round().clamp(0, 255)
-
-
 def posterize(x: Tensor, bits: Tensor) -> Tensor:
-    step = _per_sample(2.0 ** (8 - bits.round()))
-    return torch.div(_levels(x), step, rounding_mode="floor") * step  # keeps the top `bits` bits
+    """Keeps the top `bits` bits of the nearest uint8 level (posterize and equalize are defined on uint8 images)."""
+    step = (2.0 ** (8 - bits.round())).view(-1, 1, 1, 1)
+    return torch.div(x.round().clamp(0, 255), step, rounding_mode="floor") * step
 
 
 def autocontrast(x: Tensor, m: Tensor) -> Tensor:
@@ -139,7 +124,7 @@ def autocontrast(x: Tensor, m: Tensor) -> Tensor:
 def equalize(x: Tensor, m: Tensor) -> Tensor:
     """Per-image, per-channel PIL.ImageOps.equalize (= torchvision's); one bincount over (image, channel, level)."""
     n, c, h, w = x.shape
-    levels = _levels(x).long().view(n * c, h * w)
+    levels = x.round().clamp(0, 255).long().view(n * c, h * w)
     ids = levels + 256 * torch.arange(n * c, device=x.device).unsqueeze(1)
     hist = torch.bincount(ids.view(-1), minlength=n * c * 256).view(n * c, 256)
     top_count = hist.gather(1, levels.amax(1, keepdim=True))  # pixels at the brightest level present
@@ -150,8 +135,7 @@ def equalize(x: Tensor, m: Tensor) -> Tensor:
     return lut.gather(1, levels).view(n, c, h, w).to(x.dtype)
 
 
-# Each op maps (n, 3, S, S) floats in 0..255 and per-sample magnitudes m (n,) to the same shape. Geometric ops follow
-# torchvision's inverse maps (shear about the top-left corner, rotation counter-clockwise about the centre).
+# (n, 3, S, S) floats in 0..255 and magnitudes m (n,) -> same shape; geometric ops use torchvision's inverse maps.
 OPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "Identity": lambda x, m: x,
     "ShearX": lambda x, m: _warp(x, m, 1, m, 0, 1, m * x.shape[-1] / 2, 0),  # x_in = x + m * (y - top)
@@ -159,12 +143,12 @@ OPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "TranslateX": lambda x, m: _warp(x, m, 1, 0, 0, 1, -m.trunc(), 0),  # torchvision shifts by int(m) pixels
     "TranslateY": lambda x, m: _warp(x, m, 1, 0, 0, 1, 0, -m.trunc()),
     "Rotate": rotate,
-    "Brightness": lambda x, m: (x * _per_sample(1 + m)).clamp(0, 255),
+    "Brightness": lambda x, m: (x * (1 + m).view(-1, 1, 1, 1)).clamp(0, 255),
     "Color": lambda x, m: _blend(x, _grayscale(x), 1 + m),
     "Contrast": lambda x, m: _blend(x, _grayscale(x).mean((1, 2, 3), keepdim=True), 1 + m),
     "Sharpness": sharpness,
     "Posterize": posterize,
-    "Solarize": lambda x, m: torch.where(x >= _per_sample(m), 255 - x, x),
+    "Solarize": lambda x, m: torch.where(x >= m.view(-1, 1, 1, 1), 255 - x, x),
     "AutoContrast": autocontrast,
     "Equalize": equalize,
 }
@@ -234,9 +218,7 @@ class RandomOps(nn.Module):
 
 
 def random_erase(x: Tensor, prob: float, attempts: int = 10) -> Tensor:
-    """timm's RandomErasing (mode 'pixel', one box), batched: each image, with probability `prob`, gets a box of area
-    U(0.02, 1/3) of the image and log-uniform aspect in (0.3, 3.3) (the first of `attempts` draws that fits; none:
-    no box), at a uniform position, filled with N(0, 1) noise per pixel and channel (x is normalised)."""
+    """timm's RandomErasing ('pixel' mode, one box, first of `attempts` draws that fits) batched; x is normalised."""
     batch, _, height, width = x.shape
     u = torch.rand(batch, 2 * attempts + 3, device=x.device)
     area = height * width * (0.02 + (1 / 3 - 0.02) * u[:, :attempts])
@@ -308,9 +290,7 @@ def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransfo
 
 
 class MixupCutmix:
-    """timm's Mixup in 'batch' mode: one lam ~ Beta(alpha, alpha) per batch (torch's CPU RNG), each sample mixed with
-    x.flip(0); mixup or cutmix (50/50 when both are on), cutmix's lam corrected to the pasted box's area. Targets:
-    lam * t(y) + (1 - lam) * t(y.flip(0)), t(y) the label-smoothed one-hot of class ids y (multi-label: of rows y)."""
+    """timm's Mixup, 'batch' mode: one lam ~ Beta per batch (CPU RNG), x mixed with x.flip(0) by mixup or cutmix."""
 
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, label_smoothing: float = 0.0):
         self.mixup_alpha, self.cutmix_alpha = float(mixup_alpha), float(cutmix_alpha)
@@ -321,18 +301,14 @@ class MixupCutmix:
         use_cutmix = bool(torch.rand(()) < 0.5) if both else self.cutmix_alpha > 0
         alpha = torch.tensor(self.cutmix_alpha if use_cutmix else self.mixup_alpha)
         lam = float(torch.distributions.Beta(alpha, alpha).sample())
-        if use_cutmix:
-            pixels, lam = cutmix(pixels, lam)
-        else:
-            pixels = lam * pixels + (1 - lam) * pixels.flip(0)
+        pixels, lam = cutmix(pixels, lam) if use_cutmix else (lam * pixels + (1 - lam) * pixels.flip(0), lam)
         hot = labels if labels.ndim == 2 else F.one_hot(labels.long(), self.num_classes)
         soft = smooth_targets(hot, self.label_smoothing)
         return pixels, lam * soft + (1 - lam) * soft.flip(0)
 
 
 def smooth_targets(hot: Tensor, smoothing: float) -> Tensor:
-    """One-hot or multi-hot 0/1 targets label-smoothed as timm smooths them (its mixup targets, BinaryCrossEntropy):
-    1 -> 1 - s + s/K and 0 -> s/K, for K classes."""
+    """One-hot or multi-hot targets smoothed as timm does (mixup, BinaryCrossEntropy): 1 -> 1 - s + s/K, 0 -> s/K."""
     off = smoothing / hot.shape[-1]
     return torch.where(hot > 0, 1.0 - smoothing + off, off).float()
 
