@@ -92,27 +92,15 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
-def _eval_results(info: CardInfo, metrics: dict[str, float], split: str) -> list[EvalResult]:
-    dataset = info.dataset_id if info.dataset_is_hub else Path(info.dataset_id).name or info.dataset_id
-    task = {"task_type": "image-classification", "task_name": "Image Classification", "dataset_split": split}
-    return [
-        EvalResult(**task, dataset_type=dataset, dataset_name=dataset, metric_value=value, **spec)
-        for key, value in metrics.items()
-        if (spec := _metric_spec(key))
-    ]
-
-
 def _summary(info: CardInfo, validation: dict, test: dict) -> str:
+    origin = "trained from scratch (no pre-trained weights)"
     if info.base_model:
         origin = f"a fine-tuned version of [{info.base_model}](https://huggingface.co/{info.base_model})"
     elif info.base_model_source:
         origin = f"fine-tuned from the local checkpoint `{info.base_model_source}`"
-    else:
-        origin = "trained from scratch (no pre-trained weights)"
+    data = f"the local dataset `{info.dataset_id}`"
     if info.dataset_is_hub:
         data = f"the [{info.dataset_id}](https://huggingface.co/datasets/{info.dataset_id}) dataset"
-    else:
-        data = f"the local dataset `{info.dataset_id}`"
     count = len(info.label_names)
     names = ", ".join(info.label_names[:10]) + (", ..." if count > 10 else "")
     task = f"classify images into {count} classes"
@@ -151,7 +139,6 @@ def _history_row(entry: dict) -> dict:
 
 def _body(info: CardInfo, validation: dict, test: dict) -> str:
     parts = [f"# {info.model_name}", _summary(info, validation, test)]
-
     keys = list(dict.fromkeys([*validation, *test]))
     keys.sort(key=lambda k: (_metric_spec(k) is None, k == "loss"))  # known metrics first, loss last
     label = {k: spec["metric_name"] if (spec := _metric_spec(k)) else k.replace("_", " ").capitalize() for k in keys}
@@ -159,7 +146,6 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
     parts.append("## Results\n\n" + _table(("Metric", "Validation", "Test"), rows))
     if not test:
         parts.append("There is no test split: the model-index metadata reports the validation split.")
-
     if rows := [_history_row(e) for e in info.eval_history if "eval_loss" in e]:
         keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("Epoch", "Step")]
         table = [(r["Epoch"], r["Step"], *(r.get(k, "-") for k in keys)) for r in rows]
@@ -174,14 +160,12 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
         parts.append(f"```yaml\n{info.recipe_text.rstrip()}\n```")
     if info.hyperparameters:
         parts.append("## Hyperparameters\n\n" + _table(("Hyperparameter", "Value"), [*info.hyperparameters.items()]))
-
     setup = [f"- Strategy: {info.strategy}", f"- Hardware: {info.hardware}"]
     if info.throughput:
         setup.append(f"- Training throughput: {info.throughput:,.1f} images/s")
     if info.base_model_source and info.base_model_source != info.base_model:
         setup.append(f"- Weights loaded from: `{info.base_model_source}`")
     parts.append("## Training setup\n\n" + "\n".join(setup))
-
     if info.versions:
         parts.append("## Framework versions\n\n" + "\n".join(f"- {k} {v}" for k, v in info.versions.items()))
     if info.limitations:
@@ -192,8 +176,7 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
         parts.append(f"## Confusion matrix\n\n![Confusion matrix]({info.confusion_matrix_file})")
 
     parts.append("## How to use")
-    repo = info.repo_id
-    if repo.startswith("<user>/"):
+    if (repo := info.repo_id).startswith("<user>/"):
         parts.append(f"Not pushed by this run: replace `{repo}` with the repo you push it to, or a local path.")
     code = f'from transformers import pipeline\n\nclassifier = pipeline("image-classification", model="{repo}")\n'
     if info.multi_label:  # the pipeline returns the 5 best labels unless asked for all: each is an independent sigmoid
@@ -221,7 +204,14 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
 
 def build_model_card(info: CardInfo) -> ModelCard:
     validation, test = _strip(info.validation_metrics), _strip(info.test_metrics)
-    eval_results = _eval_results(info, test, "test") if test else _eval_results(info, validation, "validation")
+    split, metrics = ("test", test) if test else ("validation", validation)  # model-index reports one split
+    dataset = info.dataset_id if info.dataset_is_hub else Path(info.dataset_id).name or info.dataset_id
+    task = {"task_type": "image-classification", "task_name": "Image Classification", "dataset_split": split}
+    eval_results = [
+        EvalResult(**task, dataset_type=dataset, dataset_name=dataset, metric_value=value, **spec)
+        for key, value in metrics.items()
+        if (spec := _metric_spec(key))
+    ]
     if info.library_name == "peft" and not info.base_model:
         logger.warning("PEFT model card without a Hub base_model: the Hub will not link the adapter to its base")
     multi = ["multi-label-classification"] if info.multi_label else []
@@ -263,8 +253,7 @@ def hardware_description() -> str:
 
 
 def reproduce_command(strategy, argv: list[str]) -> str:
-    """The command that runs this again: the launcher with the strategy's config file, without the arguments a
-    launcher adds (the `deepspeed` launcher passes --local_rank; torchrun, which accelerate runs, passes none)."""
+    """The command that runs this again: the launcher and its config file, without the launcher's --local_rank."""
     by_deepspeed = any(a.startswith("--local_rank") for a in argv)
     argv = [a for a in argv if not a.startswith("--local_rank")]
     config = strategy.spec.accelerate_config
@@ -292,10 +281,9 @@ def _limitations(splits, dataset: str, evaluated: str | None) -> list[str]:
     trained = f"{len(splits.train):,} images of {dataset}" if splits.train else dataset
     split = getattr(splits, evaluated, None) if evaluated else None
     scope = f"evaluated on its {evaluated} split ({len(split):,} images)" if split else "not evaluated"
+    answers = f"It always answers with one of its {count} classes, also for an image that shows none of them."
     if splits.multi_label:
         answers = f"It scores each of the {count} labels on its own; a label counts as present above the threshold."
-    else:
-        answers = f"It always answers with one of its {count} classes, also for an image that shows none of them."
     lines = [f"Trained on {trained} and {scope}: how it does on images from other sources is not measured.", answers]
     if splits.storage_shape:
         size = "x".join(map(str, splits.storage_shape))

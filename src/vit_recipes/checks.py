@@ -1,5 +1,5 @@
-"""Checks that decide whether a run can go ahead, each failing with one `RecipeError` line and changing nothing:
-`check_plan` as the plan is built (before any data loads), `check_model` once the model is built."""
+"""Checks whether a run can go ahead, each failing with one `RecipeError` line: `check_plan` before data loads,
+`check_model` once the model is built."""
 
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ def turned_on(config: dict | None, section: str) -> bool:
 
 def check_plan(plan, args) -> None:
     """Reject, in one line each, settings that would fail (or silently do something else) later."""
-    t, strategy = args.training, plan.strategy
-    cpu = plan.device == "cpu"
+    t, strategy, cpu = args.training, plan.strategy, plan.device == "cpu"
     if strategy.deepspeed and strategy.fsdp:
         raise RecipeError(
             f"both DeepSpeed ({strategy.deepspeed_source}) and FSDP are configured: pick one (an accelerate FSDP "
@@ -95,14 +94,12 @@ def check_output_dir(training_args, model_args) -> None:
     out = Path(training_args.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=WRITE_PROBE):
-            pass
+        tempfile.NamedTemporaryFile(dir=out, prefix=WRITE_PROBE).close()  # created and deleted
     except OSError as err:
         raise RecipeError(
             f"output_dir {out} is not writable ({err.strerror or err}): choose another --output_dir"
         ) from None
-    # Only a local checkpoint's size is known (not a Hub id's, nor training from scratch's).
-    source = model_args.model_name_or_path
+    source = model_args.model_name_or_path  # only a local checkpoint's size is known
     folder = Path(source).expanduser() if source else None
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder and folder.is_dir() else 0
     if not (training_args.do_train and weights):
@@ -217,9 +214,8 @@ def _check_deepspeed(plan, t) -> None:
 
 
 def check_model_family(args) -> None:
-    """Features some model families lack, refused before any data loads: gradient checkpointing (transformers has
-    none for e.g. ConvNeXt or ResNet), patch dropout (ViT-style models with a [CLS] token only), layer decay and
-    drop path (one stack of transformer layers; drop path also where the config has a drop_path_rate)."""
+    """Refuse, before data loads, features the family lacks: gradient checkpointing (e.g. ConvNeXt), patch dropout
+    ([CLS]-token ViTs only), layer decay and drop path (one stack of transformer layers)."""
     from accelerate import init_empty_weights
 
     try:
@@ -246,8 +242,7 @@ def check_host_memory(strategy, model_args) -> None:
     """Offloading keeps optimizer states (and maybe parameters) in host RAM: refuse when it cannot fit."""
     import psutil
 
-    size = model_size_from_args(model_args)
-    if size is None:  # no config to read yet (e.g. an uncached Hub id): build_model reports that
+    if (size := model_size_from_args(model_args)) is None:  # no config to read yet: build_model reports that
         return
     params, largest = size
     needed = host_memory_for(strategy, params, largest)
@@ -272,8 +267,7 @@ def check_fp8(on_cpu: bool, t, lora: bool = False) -> None:
             )
         if not installed("transformer_engine"):
             raise RecipeError("--fp8_backend transformer_engine needs pip install 'transformer-engine[pytorch]'")
-        # Recomputation would run TE's FP8 modules twice a step (their scaling history too); TE's kernels run eagerly;
-        # peft wraps the linear layers the TE layer computes with.
+        # Recomputation reruns TE's FP8 modules (and scaling history); TE runs eagerly; peft wraps TE's linears.
         refused = ["--gradient_checkpointing"] * bool(t.gradient_checkpointing) + ["--use_peft"] * lora
         refused += ["--torch_compile_regions true"] * bool(t.torch_compile_regions)
         if refused:
@@ -282,7 +276,6 @@ def check_fp8(on_cpu: bool, t, lora: bool = False) -> None:
             )
     elif not installed("torchao"):
         raise RecipeError("--fp8 needs torchao: pip install 'vit-recipes[fp8]' (or pip install torchao)")
-    # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer.
     if not on_cpu and torch.cuda.is_available() and (capability := torch.cuda.get_device_capability()) < (8, 9):
         raise RecipeError(
             f"--fp8 needs FP8 tensor cores (compute capability 8.9+, e.g. H100, H200, L40S); this GPU is "
@@ -296,8 +289,7 @@ _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states
 def deepspeed_checkpoint_world_size(checkpoint: str | os.PathLike) -> int | None:
     """Data-parallel world size a DeepSpeed checkpoint was written with (one optimizer shard per rank)."""
     folder = Path(checkpoint)
-    tag_file = folder / "latest"
-    tags = [tag_file.read_text().strip()] if tag_file.is_file() else []
+    tags = [(folder / "latest").read_text().strip()] if (folder / "latest").is_file() else []
     tags += [p.name for p in sorted(folder.glob("global_step*")) if p.is_dir()]
     for tag in tags:
         ranks = {int(m.group(1)) for f in glob.glob(str(folder / tag / "*")) if (m := _OPTIM_FILE.search(f))}
@@ -307,8 +299,7 @@ def deepspeed_checkpoint_world_size(checkpoint: str | os.PathLike) -> int | None
 
 
 def check_resume(strategy, checkpoint: str | None) -> None:
-    """A DeepSpeed checkpoint resumes only under DeepSpeed; ZeRO-1/2 on any process count (plan.configure converts
-    it), ZeRO-3 on its own: its universal load drifts from the run, even on the same process count."""
+    """A DeepSpeed checkpoint resumes only under DeepSpeed; ZeRO-3 only on its own process count (ZeRO-1/2: any)."""
     if not checkpoint:
         return
     saved = deepspeed_checkpoint_world_size(checkpoint)
@@ -331,9 +322,8 @@ def check_resume(strategy, checkpoint: str | None) -> None:
 
 
 def check_model(strategy, model) -> None:
-    """The checks that need the built model: FSDP2's wrap list, then ZeRO++'s quantized weights (qwZ), which assert at
-    the first forward that each gathered module's shard holds a multiple of 8 values (a 100-label head on 4 GPUs:
-    19,225 each); only the head's size depends on the dataset, and a leaf module is one unit."""
+    """Checks on the built model: FSDP2's wrap list, and ZeRO++ quantized weights (qwZ), which assert at the first
+    forward that each gathered shard holds a multiple of 8 values (a leaf module is one unit)."""
     check_fsdp_wrap(strategy, model)
     if not is_true(config_value(strategy.deepspeed_config, "zero_optimization.zero_quantized_weights")):
         return
@@ -356,8 +346,7 @@ def check_model(strategy, model) -> None:
 
 
 def check_fsdp_wrap(strategy, model) -> None:
-    """FSDP2: refuse a wrap list holding the input embedding's parent (e.g. ViTEmbeddings, in ViT's _no_split_modules):
-    accelerate shards the embedding on its own, and fully_shard fails with "Invariant encountered: value was None"."""
+    """FSDP2: refuse a wrap list holding the input embedding's parent (accelerate shards the embedding alone)."""
     if not strategy.fsdp:
         return
     named = strategy.fsdp_wrap is not None
@@ -395,15 +384,13 @@ def _hub_id(name: str | None) -> bool:
 
 
 def _as_path(name: str) -> str | None:
-    """`name` when an `owner/name` is more likely a local folder that is missing: one this repo builds
-    (data/digits in a fresh clone), or one whose parent folder exists here. Else None: a Hub id."""
+    """`name` when it is more likely a missing local folder (one this repo builds, or its parent exists), else None."""
     local = name.rstrip("/") in LOCAL_BUILDERS or (name.count("/") == 1 and Path(name).parent.is_dir())
     return name if local else None
 
 
 def check_hub(args) -> None:
-    """Before any data or model: pushing is possible, and a model or dataset that must come from the Hub can (one
-    line now, instead of a failure after the data was loaded and decoded)."""
+    """Before any data or model: pushing is possible, and a model or dataset the Hub must give can be had."""
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
 

@@ -32,8 +32,7 @@ def _forward_flops(config_json: str, size: int) -> float:
 
 
 def forward_flops(config, image_size: int | None = None) -> float:
-    """Forward FLOPs of one image (image_size square, default the config's) through the model `config` describes
-    (a multiply-add is 2 FLOPs)."""
+    """Forward FLOPs (a multiply-add is 2) of one image_size-square image (default the config's) through the model."""
     size = image_size or config.image_size
     size = size[0] if isinstance(size, (list, tuple)) else size
     return _forward_flops(config.to_json_string(use_diff=False), int(size))
@@ -42,9 +41,8 @@ def forward_flops(config, image_size: int | None = None) -> float:
 def training_flops_per_image(
     config, gradient_checkpointing: bool, method: str = "full", image_size: int | None = None
 ) -> float:
-    """Forward + backward FLOPs per training image, for MFU. Backward is twice the forward (input and weight
-    gradients) and checkpointing recomputes the forward; a frozen backbone (LoRA) computes no weight gradients, and
-    head-only training does not backpropagate through it."""
+    """Forward + backward FLOPs per training image, for MFU: backward is twice the forward, checkpointing recomputes
+    the forward; LoRA computes no backbone weight gradients, head-only no backbone backward."""
     forward = forward_flops(config, image_size)
     if method == "head":
         return forward

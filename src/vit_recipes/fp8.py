@@ -1,8 +1,5 @@
-"""FP8 matmuls for training (`--fp8`; off by default, docs/benchmarks.md says where each backend wins). Both keep
-the fp32/bf16 weights: the optimizer and the saved model do not change.
-- `torchao`: float8 linear layers (per-tensor scales) for every linear layer but the head (small, closest to the loss),
-  LoRA's adapters (rank-16 matmuls gain nothing) and sizes not multiples of 16; emulated on a CPU (the tests).
-- `transformer_engine`: TransformerEngineViTLayer, Transformer Engine's FP8 kernels for each ViT layer. CUDA only."""
+"""FP8 matmuls for training (`--fp8`), keeping the fp32/bf16 weights. `torchao`: float8 linear layers but the head,
+LoRA's adapters and sizes not multiples of 16 (emulated on a CPU); `transformer_engine`: TE's kernels per ViT layer."""
 
 import logging
 
@@ -60,13 +57,10 @@ def convert_to_transformer_engine(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-# Hand-written: accelerate's TE conversion (convert_model) gives each nn.Linear a te.Linear with new parameters and
-# extra state-dict entries, without the LayerNorm fusion; te.TransformerLayer keeps a fused QKV weight under other
-# names. Neither leaves a transformers ViT's parameters and checkpoints as they are.
+# Hand-written: accelerate's convert_model and te.TransformerLayer both change a ViT's parameters and state dict.
 class TransformerEngineViTLayer(ViTLayer):
-    """A ViT layer that trains through Transformer Engine's FP8 matmuls (attention: PyTorch's SDPA) and evaluates with
-    transformers' forward. Its TE modules compute with the layer's parameters, bound at every step, never copied: the
-    weights, state dict, optimizer and saved model are the plain ViT's. TE's FP8 scaling history is not saved."""
+    """A ViT layer that trains through TE's FP8 matmuls (attention: SDPA) on its own parameters, bound each step, never
+    copied; evaluation runs transformers' forward. TE's FP8 scaling history is not saved."""
 
     warned = False  # about a batch FP8 cannot take, once per process
 
@@ -88,8 +82,7 @@ class TransformerEngineViTLayer(ViTLayer):
         return hidden_states + self.dropout(mlp)
 
     def _transformer_engine(self, device: torch.device) -> tuple:
-        """TE's module, the fused LayerNorm+QKV, attention output, fused LayerNorm+fc1 and fc2, on the layer's
-        current parameters (built on first use; kept out of the module tree, so out of the state dict)."""
+        """TE, LayerNorm+QKV, attention output, LayerNorm+fc1 and fc2 on the layer's parameters (outside the state dict)."""
         a, mlp = self.attention, self.mlp
         if "_te" not in self.__dict__:
             import transformer_engine.pytorch as te

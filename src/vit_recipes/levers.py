@@ -1,5 +1,4 @@
-"""timm's fine-tuning levers on transformers models: layer-wise learning-rate decay (`--layer_decay`), stochastic
-depth (`--drop_path_rate`) and an exponential moving average of the weights (`--ema_decay`, timm's ModelEmaV3)."""
+"""timm's fine-tuning levers for transformers models: `--layer_decay`, `--drop_path_rate` and `--ema_decay`."""
 
 import logging
 import os
@@ -13,8 +12,7 @@ from .errors import RecipeError
 
 logger = logging.getLogger(__name__)
 EMA_FILE = "ema.safetensors"  # in each checkpoint: the average, restored on resume
-# Layers whose one `dropout` sits right before both residual adds (transformers 5.2x), so a per-sample drop path
-# after it is timm's stochastic depth; the families with a `drop_path_rate` config field have their own.
+# Layers whose one `dropout` sits right before both residual adds: a drop path after it is timm's stochastic depth.
 DROPOUT_BEFORE_RESIDUAL = {"ViTLayer", "DeiTLayer", "ViTMSNLayer", "IJepaLayer"}
 
 
@@ -32,9 +30,8 @@ def transformer_layers(model: nn.Module, flag: str = "--layer_decay") -> nn.Modu
 
 
 def layer_decay_groups(model: nn.Module, decay: float, lr: float, weight_decay: float, decay_names) -> list[dict]:
-    """Optimizer groups of the trainable parameters, lr * decay ** (L + 1 - i) for layer i of L: the embeddings (and
-    whatever comes before the layers) are layer 0, the head (and whatever comes after) L + 1, as BEiT, MAE and timm.
-    Weight decay where the Trainer puts it (`decay_names`). The head's group comes first: the logged rate is its."""
+    """Optimizer groups, lr * decay ** (L + 1 - i) for layer i of L (embeddings 0, head L + 1, as timm), weight decay
+    on `decay_names`; the head's group first, so the logged rate is its."""
     layers = transformer_layers(model)
     depth, after, groups = len(layers), False, {}
     inside = {id(p): i + 1 for i, layer in enumerate(layers) for p in layer.parameters()}
@@ -50,8 +47,7 @@ def layer_decay_groups(model: nn.Module, decay: float, lr: float, weight_decay: 
 
 
 def add_drop_path(model: nn.Module, rate: float) -> int:
-    """Stochastic depth on layers without it: a per-sample drop path after each residual-branch dropout, its rate
-    growing linearly to `rate` (timm), as a training-only forward hook: saved models stay plain. Returns the depth."""
+    """Stochastic depth (rate growing linearly to `rate`) as training-only hooks after each residual dropout."""
     layers = transformer_layers(model, "--drop_path_rate")
     if type(layers[0]).__name__ not in DROPOUT_BEFORE_RESIDUAL or not isinstance(layers[0].dropout, nn.Dropout):
         raise RecipeError(
@@ -73,9 +69,8 @@ def drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 class WeightAverage(TrainerCallback):
-    """--ema_decay: after each optimizer step, ema = decay * ema + (1 - decay) * weights, in fp32, over the trained
-    parameters (LoRA: the adapters and head). Saved in each checkpoint and restored on resume, so a resumed run ends
-    on the same average; copied into the model at the end, so evaluation, the saved model and the card use it."""
+    """--ema_decay: an fp32 average of the trained parameters after each step, saved with each checkpoint (restored on
+    resume) and copied into the model at the end, for evaluation and saving."""
 
     def __init__(self, decay: float):
         self.decay, self.average = decay, None

@@ -1,9 +1,5 @@
-"""The memory a strategy needs for the model a run trains, from its config alone (the model built on the meta device
-gives its size and largest layer): per GPU for every multi-process strategy (`estimate`), and the host
-memory an offloading strategy needs. The memory advisor (tools/advise.py) prints the table, and its docstring gives
-the formulas; a run reads it to decide gradient checkpointing and to name a faster strategy that fits (plan.py), and
-the offload check (checks.py) reads the host figures.
-"""
+"""Memory per GPU of each strategy (`estimate`) and host memory for offload, from the config alone (meta device).
+tools/advise.py prints the table (its docstring gives the formulas); plan.py and checks.py read it."""
 
 from __future__ import annotations
 
@@ -28,8 +24,7 @@ def gib(size: float) -> str:
 
 
 def load_config(name: str, cache_dir: str | None = None, revision: str = "main"):
-    """The config of a model: a bare model type ("vit"), a local folder, or a Hub id (the cache first, as transformers
-    does). One line on failure, naming the offline case."""
+    """The config of a model type ("vit"), a local folder or a Hub id (cache first); one line on failure."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -70,8 +65,7 @@ def model_size(config) -> tuple[int, int]:
 def config_from_args(model_args):
     """The config the script builds from, and whether weights come from a checkpoint."""
     if model_args.model_name_or_path:
-        if model_args.config_overrides:  # a recipe's from-scratch shape next to a checkpoint: the checkpoint's wins
-            # Once: the plan, the checks and the model each read the config (transformers' warning_once)
+        if model_args.config_overrides:  # the checkpoint's shape wins; once, though several steps read the config
             logger.warning_once(
                 f"--config_overrides ({model_args.config_overrides}) is ignored: {model_args.model_name_or_path} is a "
                 "trained checkpoint and keeps its own config (set --model_name_or_path null to train the overridden "
@@ -96,8 +90,7 @@ def model_size_from_args(model_args) -> tuple[int, int] | None:
 
 
 def zero2_states(params: int, gpus_per_node: int, nodes: int, offload: bool) -> tuple[int, int]:
-    """(host bytes per node, GPU bytes) of ZeRO-2 model states: DeepSpeed's estimator, or its formula (deepspeed 0.19)
-    where DeepSpeed is not installed."""
+    """(host bytes per node, GPU bytes) of ZeRO-2 model states: DeepSpeed's estimator, or its formula (0.19)."""
     try:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     except ImportError:
@@ -109,11 +102,9 @@ def zero2_states(params: int, gpus_per_node: int, nodes: int, offload: bool) -> 
 
 
 def zero3_states(
-    params: int, largest: int, gpus_per_node: int, nodes: int, offload: bool, offload_params: bool | None = None
+    params: int, largest: int, gpus_per_node: int, nodes: int, offload: bool, offload_params: bool
 ) -> tuple[int, int, int]:
-    """(host bytes per node, GPU bytes, largest-layer bytes) of ZeRO-3 model states: DeepSpeed's estimator, or its
-    formula (deepspeed 0.19, zero_init=True, parameters offloaded with the optimizer) where it is not installed."""
-    offload_params = offload if offload_params is None else offload_params
+    """ZeRO-3's (host per node, GPU, largest-layer) bytes: DeepSpeed's estimator or its formula (0.19, zero_init)."""
     try:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     except ImportError:
@@ -139,9 +130,6 @@ def host_memory_for(strategy, params: int, largest: int) -> float:
     if strategy.zero_stage == 3:
         return float(zero3_states(params, largest, per_node, nodes, offload, strategy.offload_params)[0])
     return float(zero2_states(params, per_node, nodes, offload)[0])
-
-
-# ------------------------------------------------------------------------- per GPU, for every strategy
 
 
 @dataclass(frozen=True)
@@ -172,8 +160,7 @@ def model_shape(config, num_labels: int | None = None, image_size: int | None = 
     if image_size:
         config.image_size = image_size
     params, largest = model_size(config)
-    size = config.image_size[0] if isinstance(config.image_size, (list, tuple)) else config.image_size
-    patch = config.patch_size[0] if isinstance(config.patch_size, (list, tuple)) else config.patch_size
+    size, patch = (v[0] if isinstance(v, (list, tuple)) else v for v in (config.image_size, config.patch_size))
     return ModelShape(
         params=params,
         largest_layer_params=largest,
@@ -202,18 +189,17 @@ def activation_bytes(
     return shape.layers * per_layer + once
 
 
-def _accelerate_ddp(params: int, precision: str) -> dict[str, int]:
-    from accelerate.commands.estimate import estimate_training_usage
-
-    dtype = "float32" if precision == "fp32" else "bfloat16"
-    return estimate_training_usage(4 * params, dtype)
+# The shipped configs of these train under DeepSpeed's torch_autocast (fp32 weights; tests check ds_configs/); the
+# offload configs keep DeepSpeed's bf16 mode, 16-bit weights on the GPU.
+AUTOCAST = ("zero1", "zero2", "zero3", "zeropp")
 
 
 def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: str = "bf16"):
     """(params, grads, optimizer) bytes per GPU and host bytes per node for one strategy."""
-    P, L = shape.params, shape.largest_layer_params
-    n = gpus_per_node * nodes
-    ddp = _accelerate_ddp(P, precision)
+    from accelerate.commands.estimate import estimate_training_usage
+
+    P, L, n = shape.params, shape.largest_layer_params, gpus_per_node * nodes
+    ddp = estimate_training_usage(4 * P, "float32" if precision == "fp32" else "bfloat16")
     if key == "ddp":
         return ddp["model"], ddp["gradients"], ddp["optimizer"], 0.0
     if key.startswith("fsdp"):
@@ -221,24 +207,15 @@ def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, pr
         if key == "fsdp2":
             return ddp["model"] / n + in_flight, ddp["gradients"] / n, ddp["optimizer"] / n, 0.0
         return in_flight, in_flight / 2, 0.0, fsdp2_offload_host(P, nodes)
-    if precision == "fp32" or key in AUTOCAST:  # DeepSpeed's estimators assume 16-bit weights
-        return _zero_fp32(key, P, L, n, gpus_per_node, nodes)
-    if key == "zero2_offload":  # DeepSpeed's bf16 mode: 16-bit weights on the GPU, the rest in host memory
-        host, gpu = zero2_states(P, gpus_per_node, nodes, offload=True)
-        return float(gpu), 0.0, 0.0, float(host)
-    if key == "zero3_offload":
-        host, gpu, _ = zero3_states(P, L, gpus_per_node, nodes, offload=True)
-        return float(gpu), 0.0, 0.0, float(host)
-    raise KeyError(key)
-
-
-# The shipped configs of these train under DeepSpeed's torch_autocast (fp32 weights; tests check ds_configs/); the
-# offload configs keep DeepSpeed's bf16 mode, 16-bit weights on the GPU.
-AUTOCAST = ("zero1", "zero2", "zero3", "zeropp")
-
-
-def _zero_fp32(key, P, L, n, gpus_per_node, nodes):
-    """fp32 weights: as DeepSpeed partitions them, with its fp32 master copy (4P/N) beside Adam's moments."""
+    if precision != "fp32" and key not in AUTOCAST:  # DeepSpeed's bf16 mode: 16-bit weights on the GPU, rest on host
+        if key == "zero2_offload":
+            host, gpu = zero2_states(P, gpus_per_node, nodes, offload=True)
+            return float(gpu), 0.0, 0.0, float(host)
+        if key == "zero3_offload":
+            host, gpu, _ = zero3_states(P, L, gpus_per_node, nodes, offload=True, offload_params=True)
+            return float(gpu), 0.0, 0.0, float(host)
+        raise KeyError(key)
+    # fp32 weights (DeepSpeed's estimators assume 16-bit ones), with its fp32 master copy (4P/N) beside Adam's moments
     if key == "zero1":
         return 4 * P, 4 * P, 12 * P / n, 0.0
     if key == "zero2":
@@ -296,12 +273,9 @@ def estimate(
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise RecipeError(f"--gpus {gpus} must be a positive multiple of --nodes {nodes}")
     per_node = gpus // nodes
-    act = activation_bytes(shape, batch, precision, False, attention)
-    act_ckpt = activation_bytes(shape, batch, precision, True, attention)
+    act, act_ckpt = (activation_bytes(shape, batch, precision, ckpt, attention) for ckpt in (False, True))
     out = []
-    for spec in OPTIONS:
-        if keys and spec.name not in keys:
-            continue
+    for spec in (s for s in OPTIONS if not keys or s.name in keys):
         params, grads, optimizer, host = model_states(spec.name, shape, per_node, nodes, precision)
         out.append(Estimate(spec, params, grads, optimizer, act, act_ckpt, host, overhead_gib * GIB))
     return out

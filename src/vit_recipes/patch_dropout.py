@@ -1,7 +1,5 @@
-"""Patch dropout (`--patch_dropout RATE`; Liu et al., WACV 2023; timm's `patch_drop_rate`): each training image
-keeps a random subset of its patch tokens after the position embeddings, so a step costs about (1 - RATE) of the
-compute, and it regularises like random erasing. The [CLS] token always stays; evaluation sees every patch. The kept
-count is fixed per model, so compiled layers see one shape. A forward hook does it: no weight or saved file changes."""
+"""Patch dropout (`--patch_dropout RATE`, timm's `patch_drop_rate`): training images keep a fixed count of random
+patch tokens (and [CLS]) after the position embeddings, through a forward hook; evaluation sees every patch."""
 
 from __future__ import annotations
 
@@ -41,10 +39,8 @@ def add_patch_dropout(model: nn.Module, rate: float) -> int:
     if rate <= 0:
         return 0
     embeddings, prefix = token_embeddings(model)
-    size, patch = (
-        v[0] if isinstance(v, (list, tuple)) else v for v in (model.config.image_size, model.config.patch_size)
-    )
-    patches = (size // patch) ** 2
+    sizes = [v[0] if isinstance(v, (list, tuple)) else v for v in (model.config.image_size, model.config.patch_size)]
+    patches = (sizes[0] // sizes[1]) ** 2
     keep = max(1, round(patches * (1 - rate)))
     embeddings.register_forward_hook(lambda m, args, out: keep_patches(out, prefix, keep) if m.training else out)
     logger.warning(f"--patch_dropout {rate:g}: training images keep {keep} of {patches} patches; evaluation sees all")

@@ -181,8 +181,7 @@ class RunPlan:
 def build_plan(args: RunArguments) -> RunPlan:
     """Derive the plan from parsed arguments and refuse, in one line, anything that could only fail later."""
     t = args.training
-    strategy = read_strategy(t)
-    precision, device = precision_of(t), device_kind(t)
+    strategy, precision, device = read_strategy(t), precision_of(t), device_kind(t)
     if device == "cuda":
         strategy = advise_memory(args, strategy, precision)
     elif t.checkpointing_by_memory:
@@ -190,8 +189,7 @@ def build_plan(args: RunArguments) -> RunPlan:
             "Gradient checkpointing off (no GPU memory to estimate; --gradient_checkpointing true turns it on)"
         )
     global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * strategy.world_size
-    # What makes a checkpoint this run's: a checkpoint written under other settings is refused on auto-resume.
-    # One process and DDP write the same checkpoints (whole model and optimizer), so either resumes the other.
+    # A checkpoint written under other settings is refused on auto-resume; one process and DDP resume each other.
     kind = "ddp or single" if strategy.name in ("ddp", "single") else strategy.name
     identity = {**run_config(args), "strategy": kind, "global_batch": global_batch, "recipe": args.recipe}
     plan = RunPlan(strategy, precision, device, global_batch, resolve_output_dir(t, identity), identity)
@@ -214,20 +212,16 @@ def build_plan(args: RunArguments) -> RunPlan:
     return plan
 
 
-# The estimate ran up to 15% under measured peaks (ViT-H under DDP; the device transforms, allocator slack and
-# communication buffers are not all in it): a batch counts as fitting within this share of the GPU's memory.
+# The estimate ran up to 15% under measured peaks (ViT-H, DDP): a batch fits within this share of memory.
 FITS_WITHIN = 0.8
 
 
 def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Strategy:
-    """From the per-GPU memory estimate (memory.estimate, tools/advise.py's table): gradient checkpointing, where the
-    command leaves it unset, on only when the batch does not fit this GPU without it; and one line when a strategy
-    that communicates less than the launched one fits too. Returns the strategy, with FSDP's checkpointing where it
-    turned on."""
+    """Checkpointing, where unset, on only if the batch won't fit without it; one line if a lighter strategy fits."""
     import torch
 
     t, batch = args.training, args.training.per_device_train_batch_size
-    # This run's row (one process holds what a DDP rank holds) and those of the strategies that communicate less
+    # This run's row (one process as DDP) and those of the strategies that communicate less
     rows = PREFERENCE[: PREFERENCE.index(strategy.name) + 1] if strategy.name in PREFERENCE else ("ddp",)
     if not torch.cuda.is_available() or (len(rows) == 1 and not t.checkpointing_by_memory):
         return strategy  # no GPU to measure (a CUDA plan in tests), or nothing to decide or suggest
@@ -267,10 +261,7 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
 
 
 def hand_precision_to_deepspeed(t, precision: str) -> None:
-    """A DeepSpeed config with `torch_autocast` (ds_configs/zero1-3, zeropp): DeepSpeed autocasts the forward over fp32
-    weights, as DDP does under the Trainer's --bf16. The Trainer's own bf16 would switch DeepSpeed's bf16 mode on as
-    well (16-bit weights, which lose a warm-up's small updates: docs/distributed.md), so the precision the arguments
-    ask for fills `torch_autocast`'s "auto" fields and the Trainer's is switched off."""
+    """torch_autocast over fp32 weights, as DDP: fill its "auto" fields; the Trainer's bf16 (16-bit weights) off."""
     plugin = t.deepspeed_plugin
     config = plugin.deepspeed_config  # the dict DeepSpeed receives, under either launcher
     section = config["torch_autocast"]
@@ -288,8 +279,7 @@ def hand_precision_to_deepspeed(t, precision: str) -> None:
 
 
 def eager_if_compile_fails() -> None:
-    """A part torch.compile cannot compile runs eagerly (dynamo's suppress_errors), said in one warning instead of
-    dynamo's traceback per frame: a slower run beats a crashed one."""
+    """What torch.compile cannot compile runs eagerly, said in one warning, not a traceback per frame."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
@@ -311,9 +301,8 @@ def eager_if_compile_fails() -> None:
     dynamo_log.addFilter(one_line)
 
 
-# A regional compile costs as much as about a thousand of the recipe's steps save when cold, and about 400 when the
-# compile cache holds the run's artifacts (dynamo still traces, and evaluation's shapes compile too):
-# docs/benchmarks.md ("When compilation pays") has the measurements behind both thresholds.
+# A regional compile costs what ~1000 steps save when cold, ~400 from a compile cache holding the run's artifacts
+# (docs/benchmarks.md, "When compilation pays").
 COMPILE_PAYS_AFTER_STEPS = 1000
 COMPILE_PAYS_AFTER_STEPS_WARM = 400
 COMPILED_RECORD = "vit_recipes_compiled.json"  # in the compile cache: the runs whose artifacts it holds
@@ -325,10 +314,7 @@ def planned_steps(t, train_images: int, global_batch: int) -> int:
 
 
 def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str | None:
-    """Regional compilation where the command leaves it unset (training on a CUDA GPU): on when the run is long
-    enough to repay the compile, a cold one or one from a compile cache that holds this run's artifacts; one line
-    either way.
-    Returns the key to record once a compiled run has trained (`remember_compiled`), None for an eager one."""
+    """Regional compilation, where unset, on if the run repays the compile; the key to remember, None if eager."""
     t, key = args.training, None
     if not (t.do_train and plan.device == "cuda") or t.torch_compile_regions is False:
         return None
@@ -355,18 +341,15 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
 
 
 def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
-    """A digest of what regional compilation's artifacts depend on: torch, Triton, the GPU, the model as built
-    (architecture, LoRA, patch dropout), the batches, precision (TF32 too), checkpointing and strategy. Inductor keys
-    its own artifacts by graph, so a key that matches wrongly costs a cold compile, never a wrong result."""
+    """A digest of compiled artifacts' inputs; a wrong match costs a cold compile (Inductor keys by graph)."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
     import torch
 
-    try:  # the installed version, without importing Triton (a short eager run never needs it)
+    triton_version = None
+    with contextlib.suppress(PackageNotFoundError):  # without importing Triton (a short eager run never needs it)
         triton_version = version("triton")
-    except PackageNotFoundError:
-        triton_version = None
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("id2label", "label2id", "_name_or_path")}
     t = args.training
     parts = [torch.__version__, triton_version, torch.cuda.get_device_name(), repr(model), config,
@@ -383,16 +366,14 @@ def _compiled_keys() -> dict:
 
 
 def was_compiled(plan: RunPlan, key: str) -> bool:
-    """Whether the compile cache holds this key's artifacts. Runs on one machine only: every process reads the same
-    file before any writes it (after training), so all decide alike; machines need not share a cache."""
+    """Whether the compile cache holds this key's artifacts; one machine only, where all processes read one file."""
     single_node = plan.strategy.world_size == plan.strategy.processes_per_node
     disabled = is_true(os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES"))
     return single_node and not disabled and key in _compiled_keys()
 
 
 def remember_compiled(key: str | None) -> None:
-    """Record that the compile cache now holds a compiled run's artifacts (the 50 newest kept): the same model and
-    batch compile by default from COMPILE_PAYS_AFTER_STEPS_WARM steps next time."""
+    """Record that the compile cache holds a compiled run's artifacts (the 50 newest kept)."""
     if not key:
         return
     keys = {k: v for k, v in _compiled_keys().items() if k != key}
@@ -406,8 +387,7 @@ def remember_compiled(key: str | None) -> None:
 
 
 def warn_if_warmup_outlasts_the_run(t, steps: int) -> None:
-    """One line when the learning-rate warm-up is as long as the run (a recipe's epochs or steps cut short): the
-    learning rate never reaches --learning_rate, which the run does not change."""
+    """One line when the warm-up is as long as the run: the learning rate never reaches --learning_rate."""
     warmup = t.get_warmup_steps(steps) if steps else 0
     if t.do_train and warmup >= steps > 0:
         logger.warning(
@@ -428,12 +408,10 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
         t.accelerator_config.non_blocking = False  # nothing to copy to (the Trainer warns without pinned memory)
     frozen_backbone = args.lora.method != "full" or is_adapter_dir(args.model.model_name_or_path)
     if frozen_backbone and t.ddp_find_unused_parameters is None:
-        # Every trainable parameter is used in each step; True would cost a graph walk per step and breaks reentrant
-        # checkpointing (the Trainer only infers False for plain transformers models).
+        # Every trainable parameter is used each step; True costs a graph walk per step, breaks reentrant checkpointing
         t.ddp_find_unused_parameters = False
     if strategy.fsdp and t.gradient_checkpointing:
-        # The Trainer refuses its own checkpointing with FSDP's, which composes with resharding: use FSDP's. The
-        # plugin is built later, by the Trainer, from the environment (accelerate launch) or `fsdp_plugin_args`.
+        # The Trainer refuses its own checkpointing with FSDP: use FSDP's (its plugin is built later, from these)
         if strategy.from_accelerate:
             os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
         elif isinstance(getattr(t, "fsdp_plugin_args", None), dict):

@@ -1,6 +1,5 @@
-"""The one table of distributed strategies this repo ships: each row names a strategy once and says how to launch
-it, what it shards and what it supports. plan.py checks a run against its row, tools/advise.py estimates every row,
-and benchmarks, reports, the model card and the docs use the same names. Pure data: this module imports nothing."""
+"""The one table of distributed strategies: how to launch each, what it shards and supports. plan.py, tools/advise.py,
+benchmarks, reports, the model card and the docs all use these names. Pure data: this module imports nothing."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def _spec(name, label, accelerate, deepspeed, stage, shards) -> StrategySpec:
 
 STRATEGIES: tuple[StrategySpec, ...] = tuple(_spec(*row) for row in _ROWS)
 BY_NAME: dict[str, StrategySpec] = {s.name: s for s in STRATEGIES}
-# Names older benchmark records and the advisor used.
-ALIASES = {"fsdp": "fsdp2", "fsdp_offload": "fsdp2_offload"}
+ALIASES = {"fsdp": "fsdp2", "fsdp_offload": "fsdp2_offload"}  # names older benchmark records and the advisor used
 ORDER: tuple[str, ...] = tuple(s.name for s in STRATEGIES)
 
 

@@ -1,6 +1,5 @@
-"""Where a run's wall-clock time goes, phase by phase, counted from the process's start (imports included): a
-20-step GPU benchmark spends most of its minute outside the training loop. Logged as one line at the end and saved
-as `time_<phase>_s` in all_results.json."""
+"""Where a run's wall-clock time goes, phase by phase from the process's start (imports included): one line at the
+end, and `time_<phase>_s` in all_results.json."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ logger = logging.getLogger(__name__)
 
 
 def seconds_since_start() -> float:
-    """Since this process started: its start tick in /proc against the boot clock. psutil's create_time adds the
-    boot time, which /proc gives in whole seconds: up to a second early, more than a fast exit takes."""
+    """Since this process started, from /proc's start tick (psutil's create_time rounds boot time to seconds)."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
         return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
@@ -37,10 +35,8 @@ class Timeline:
         self._last = now
 
     def metrics(self) -> dict[str, float]:
-        out = {f"time_{phase}_s": round(seconds, 2) for phase, seconds in self.phases.items()}
-        out["time_total_s"] = round(sum(self.phases.values()), 2)
-        out["time_imports_s"] = round(self.imports, 2)  # within time_startup_s
-        return out
+        totals = {"total": sum(self.phases.values()), "imports": self.imports}  # imports: within time_startup_s
+        return {f"time_{phase}_s": round(seconds, 2) for phase, seconds in (self.phases | totals).items()}
 
     def log(self) -> None:
         total = sum(self.phases.values()) or 1.0
