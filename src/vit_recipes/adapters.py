@@ -33,8 +33,7 @@ def load_model(path: str | os.PathLike, base_model_name_or_path: str | None = No
 
 @contextlib.contextmanager
 def without_activation_wrappers(model: nn.Module):
-    """Torch's activation-checkpoint wrappers out of the module tree for the block: they rename modules, not state-dict
-    keys, so peft (matching by module name) would save the head alone. Parameters and hooks stay."""
+    """Activation-checkpoint wrappers out of the module tree: they rename modules: peft would save the head alone."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
     swapped = []
@@ -121,31 +120,26 @@ def write_base_record(output_dir: str | os.PathLike, setup: FinetuneSetup) -> No
     (Path(output_dir) / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def merge_adapter_folder(output_dir: str | os.PathLike, setup: FinetuneSetup) -> None:
-    """Replace the adapter saved in output_dir with the merged plain model (base + LoRA update, head included)."""
+def save_final_model(trainer, setup: FinetuneSetup) -> None:
+    """Save the model, the LoRA adapter (+ base record) or the merged model, never pushing (the card comes later)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    output_dir = Path(output_dir)
-    with mock.patch.object(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None):  # the base whole, even in ZeRO-3
-        base, _ = build_model(setup.base_args, setup.label_names)
-        merged = attach_adapter(base, output_dir, base_source=setup.base_args.model_name_or_path).merge_and_unload()
-    for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS, BASE_RECORD):
-        (output_dir / name).unlink(missing_ok=True)
-    merged.save_pretrained(output_dir)
-    logger.info("Merged the LoRA adapter into %s: a plain %s", output_dir, type(merged).__name__)
-
-
-def save_final_model(trainer, setup: FinetuneSetup) -> None:
-    """Save the model, the LoRA adapter (+ base record) or the merged model (on rank 0, from the saved files), never
-    pushing (save_model() would, before the card exists)."""
     trainer.save_model(_internal_call=True)
     if setup.method != "lora":
         return
+    output_dir = Path(trainer.args.output_dir)
     if trainer.is_world_process_zero():
-        check_saved_adapter(trainer.args.output_dir, trainer.model)
-        write_base_record(trainer.args.output_dir, setup)
-        if setup.merge_adapter:
-            merge_adapter_folder(trainer.args.output_dir, setup)
+        check_saved_adapter(output_dir, trainer.model)
+        write_base_record(output_dir, setup)
+    if trainer.is_world_process_zero() and setup.merge_adapter:  # the adapter becomes a plain model: base + update
+        with mock.patch.object(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None):  # the base whole, even in ZeRO-3
+            base, _ = build_model(setup.base_args, setup.label_names)
+            adapter = attach_adapter(base, output_dir, base_source=setup.base_args.model_name_or_path)
+            merged = adapter.merge_and_unload()
+        for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS, BASE_RECORD):
+            (output_dir / name).unlink(missing_ok=True)
+        merged.save_pretrained(output_dir)
+        logger.info("Merged the LoRA adapter into %s: a plain %s", output_dir, type(merged).__name__)
     if setup.merge_adapter:
         trainer.accelerator.wait_for_everyone()
         trainer.keep_saved_model = True  # push_to_hub uploads the merged model instead of saving the adapter again

@@ -1,5 +1,4 @@
 """Command-line and recipe arguments: the dataclasses the script parses (one `--help` group each), and their checks.
-
 A YAML recipe (`--config`) sets field values; flags override it. What derives from them is worked out in plan.py."""
 
 import argparse
@@ -259,16 +258,14 @@ def compile_regions(t, regions: bool = True, after_init: bool = False) -> None:
     knows the device and steps."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()
     if after_init and t.tf32 is not False and (t.tf32 is None and not t.fp16 or t.bf16) and is_torch_tf32_available():
-        # TrainingArguments' __post_init__ (which ran with compilation off) turns TF32 on for compiled runs unless
-        # --tf32 false: its rule, applied now, so this compile computes (and caches) what --torch_compile_regions does
+        # TrainingArguments' __post_init__ (run with compilation off) turns TF32 on for compiled runs: its rule, now
         enable_tf32(True)
         align_matmul_precision()
     if regions:  # the Trainer builds accelerate's TorchDynamoPlugin without this option; the plugin reads it here
         os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true"
         t.torch_compile, t.torch_compile_regions = True, True
         t.torch_compile_backend = t.torch_compile_backend or "inductor"
-    if not t.dataloader_drop_last:
-        # A short last batch is a new shape, recompiled every epoch (tens of seconds on a GPU): dropping costs less.
+    if not t.dataloader_drop_last:  # a recompile every epoch costs tens of seconds on a GPU: dropping costs less
         logger.info(
             "torch.compile: dropping each epoch's incomplete last training batch (a new shape would recompile)"
         )
@@ -307,8 +304,7 @@ class RecipeTrainingArguments(TrainingArguments):
         "Unset: on only where the memory estimate (tools/advise.py) says the batch does not fit the GPU without it, "
         "in one line either way; off on CPUs.",
     )
-    # gradient_checkpointing was left unset: the plan decides it from the memory estimate (not a flag: init=False)
-    checkpointing_by_memory: bool = field(default=False, init=False, repr=False)
+    checkpointing_by_memory: bool = field(default=False, init=False, repr=False)  # unset: the plan decides (memory)
     gradient_checkpointing_kwargs: dict | str | None = _arg(
         help_text="Non-reentrant by default: works with frozen inputs (LoRA) and every strategy.",
         default_factory=lambda: {"use_reentrant": False},
@@ -444,6 +440,19 @@ class RunArguments:
     recipe: str | None  # the --config file, if any
 
 
+# TrainingArguments that --help lists (what image classification uses); the other ~70 still parse, --help says so.
+_LISTED_TRAINER_FLAGS = {
+    "output_dir", "do_train", "do_eval", "do_predict", "eval_strategy", "eval_steps", "per_device_train_batch_size",
+    "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "max_grad_norm",
+    "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "optim", "seed", "bf16",
+    "fp16", "logging_steps", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
+    "resume_from_checkpoint", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
+    "label_smoothing_factor", "dataloader_num_workers", "dataloader_drop_last", "gradient_checkpointing",
+    "torch_compile", "deepspeed", "use_cpu", "report_to", "run_name", "push_to_hub", "hub_model_id", "hub_strategy",
+    "hub_token", "hub_private_repo", "overwrite_output_dir",
+}  # fmt: skip
+
+
 def parse_args(
     argv: list[str] | None = None, before_process_group: Callable[[bool], None] | None = None
 ) -> RunArguments:
@@ -452,7 +461,14 @@ def parse_args(
     argv = _attach_negative_numbers(sys.argv[1:] if argv is None else list(argv))
     parser = HfArgumentParser(ARGUMENT_CLASSES)
     parser.add_argument("--config", default=None, help="YAML recipe whose keys are any of the arguments below.")
-    _list_only_what_applies(parser)
+    theirs = {f.name for f in fields(TrainingArguments)}
+    for action in parser._actions:
+        if action.dest in theirs and action.dest not in _LISTED_TRAINER_FLAGS:
+            action.help = argparse.SUPPRESS
+    parser.epilog = (
+        "Every other flag of transformers' TrainingArguments is accepted too (not listed here: text generation, "
+        "tokens, hyperparameter search, ...); transformers' TrainingArguments documentation lists them."
+    )
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
@@ -485,36 +501,11 @@ def parse_args(
     return args
 
 
-# TrainingArguments that --help lists (what image classification uses); the other ~70 still parse, --help says so.
-_LISTED_TRAINER_FLAGS = {
-    "output_dir", "do_train", "do_eval", "do_predict", "eval_strategy", "eval_steps", "per_device_train_batch_size",
-    "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "max_grad_norm",
-    "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "optim", "seed", "bf16",
-    "fp16", "logging_steps", "save_strategy", "save_steps", "save_total_limit", "save_only_model",
-    "resume_from_checkpoint", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
-    "label_smoothing_factor", "dataloader_num_workers", "dataloader_drop_last", "gradient_checkpointing",
-    "torch_compile", "deepspeed", "use_cpu", "report_to", "run_name", "push_to_hub", "hub_model_id", "hub_strategy",
-    "hub_token", "hub_private_repo", "overwrite_output_dir",
-}  # fmt: skip
-
-
-def _list_only_what_applies(parser: argparse.ArgumentParser) -> None:
-    theirs = {f.name for f in fields(TrainingArguments)}
-    for action in parser._actions:
-        if action.dest in theirs and action.dest not in _LISTED_TRAINER_FLAGS:
-            action.help = argparse.SUPPRESS
-    parser.epilog = (
-        "Every other flag of transformers' TrainingArguments is accepted too (not listed here: text generation, "
-        "tokens, hyperparameter search, ...); transformers' TrainingArguments documentation lists them."
-    )
-
-
 _NEGATIVE_NUMBER = re.compile(r"^-(\d|\.\d|inf$)")
 
 
 def _attach_negative_numbers(argv: list[str]) -> list[str]:
-    """`--flag -1e-3` -> `--flag=-1e-3`: argparse reads a value that starts with '-' as another flag ("expected one
-    argument"); attached, the value reaches its check, which names the flag and the range."""
+    """`--flag -1e-3` -> `--flag=-1e-3`: argparse would read the value as a flag, not pass it to its range check."""
     out: list[str] = []
     for token in argv:
         if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_NUMBER.match(token):
@@ -536,10 +527,9 @@ _RANGES = (  # name, RunArguments field, interval; None (unset) passes
 def validate_arguments(args: RunArguments) -> None:
     """Reject values that would only fail (or silently misbehave) later, in one line each."""
     model, data, aug, train = args.model, args.data, args.augment, args.training
-    # `not x > 0` rather than `x <= 0`: NaN fails every check.
     for name in ("learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
                  "gradient_accumulation_steps"):  # fmt: skip
-        if not getattr(train, name) > 0:
+        if not getattr(train, name) > 0:  # not `<= 0`: NaN fails every check
             raise RecipeError(f"{name} must be > 0, got {getattr(train, name)}")
     if train.max_steps <= 0 and train.num_train_epochs > 1e5:  # an ETA in years, said nowhere
         raise RecipeError(f"num_train_epochs {train.num_train_epochs:g} is over 100,000 epochs: give a real count")

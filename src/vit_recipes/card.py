@@ -139,8 +139,7 @@ def _history_row(entry: dict) -> dict:
 
 def _body(info: CardInfo, validation: dict, test: dict) -> str:
     parts = [f"# {info.model_name}", _summary(info, validation, test)]
-    keys = list(dict.fromkeys([*validation, *test]))
-    keys.sort(key=lambda k: (_metric_spec(k) is None, k == "loss"))  # known metrics first, loss last
+    keys = sorted(dict.fromkeys([*validation, *test]), key=lambda k: (_metric_spec(k) is None, k == "loss"))
     label = {k: spec["metric_name"] if (spec := _metric_spec(k)) else k.replace("_", " ").capitalize() for k in keys}
     rows = [(label[k], *(f"{m[k]:.4f}" if k in m else "-" for m in (validation, test))) for k in keys]
     parts.append("## Results\n\n" + _table(("Metric", "Validation", "Test"), rows))
@@ -174,7 +173,6 @@ def _body(info: CardInfo, validation: dict, test: dict) -> str:
         parts.append(info.per_class_markdown.strip())  # its own "## Per-class accuracy (split)" section
     if info.confusion_matrix_file:
         parts.append(f"## Confusion matrix\n\n![Confusion matrix]({info.confusion_matrix_file})")
-
     parts.append("## How to use")
     if (repo := info.repo_id).startswith("<user>/"):
         parts.append(f"Not pushed by this run: replace `{repo}` with the repo you push it to, or a local path.")
@@ -217,8 +215,7 @@ def build_model_card(info: CardInfo) -> ModelCard:
     multi = ["multi-label-classification"] if info.multi_label else []
     strategy = info.strategy if info.strategy != "single" else None  # one device is no strategy to tag
     tags = list(dict.fromkeys(["image-classification", *multi, "vision", "vit", strategy, *info.extra_tags]))
-    # model-index needs a name: the repo when pushing, else the output folder's name (never a placeholder)
-    name = info.model_name if info.repo_id.startswith("<user>/") else info.repo_id
+    name = info.model_name if info.repo_id.startswith("<user>/") else info.repo_id  # model-index: never a placeholder
     data = ModelCardData(
         library_name=info.library_name,
         license=info.license,
@@ -328,8 +325,6 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
     is_hub = lambda name: bool(name) and not os.path.exists(os.path.expanduser(name))  # noqa: E731
     dataset_id, _ = resolve_source(args.data.dataset_name or "")
     training = args.training
-    augment = ("crop_scale_min", "hflip_prob", "auto_augment", "mixup_alpha", "cutmix_alpha", "patch_dropout")
-    augment += ("random_erasing",)
     hyperparameters = {
         "learning_rate": training.learning_rate, "per_device_train_batch_size": training.per_device_train_batch_size,
         "global_batch_size": plan.global_batch,
@@ -347,7 +342,8 @@ def card_info(args, plan, argv, splits, results, reports, finetune, images_per_s
         "load_best_model_at_end": (training.load_best_model_at_end and f"best {training.metric_for_best_model}") or None,
         "class_weights": args.augment.class_weights,
         "multi_label_threshold": args.data.multi_label_threshold if splits.multi_label else None,
-        **{name: getattr(args.augment, name) for name in augment},
+        **{name: getattr(args.augment, name) for name in ("crop_scale_min", "hflip_prob", "auto_augment",
+            "mixup_alpha", "cutmix_alpha", "patch_dropout", "random_erasing")},
         "storage_size": "x".join(map(str, splits.storage_shape)), "seed": training.seed,
     }  # fmt: skip
     repo_id = training.hub_model_id or f"<user>/{os.path.basename(os.path.abspath(training.output_dir))}"

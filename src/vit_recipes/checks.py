@@ -1,5 +1,4 @@
-"""Checks whether a run can go ahead, each failing with one `RecipeError` line: `check_plan` before data loads,
-`check_model` once the model is built."""
+"""Refusals, each one `RecipeError` line: `check_plan` before data loads, `check_model` once the model is built."""
 
 from __future__ import annotations
 
@@ -214,8 +213,7 @@ def _check_deepspeed(plan, t) -> None:
 
 
 def check_model_family(args) -> None:
-    """Refuse, before data loads, features the family lacks: gradient checkpointing (e.g. ConvNeXt), patch dropout
-    ([CLS]-token ViTs only), layer decay and drop path (one stack of transformer layers)."""
+    """Refuse, before data loads, checkpointing, patch dropout, layer decay or drop path where the family lacks it."""
     from accelerate import init_empty_weights
 
     try:
@@ -245,8 +243,7 @@ def check_host_memory(strategy, model_args) -> None:
     if (size := model_size_from_args(model_args)) is None:  # no config to read yet: build_model reports that
         return
     params, largest = size
-    needed = host_memory_for(strategy, params, largest)
-    if needed > (available := psutil.virtual_memory().available):
+    if (needed := host_memory_for(strategy, params, largest)) > (available := psutil.virtual_memory().available):
         raise RecipeError(
             f"{strategy.spec.label} needs about {needed / 2**30:.1f} GiB of host memory on this node for "
             f"{params / 1e6:.0f}M parameters but {available / 2**30:.1f} GiB is available: use a configuration "
@@ -283,16 +280,14 @@ def check_fp8(on_cpu: bool, t, lora: bool = False) -> None:
         )
 
 
-_OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
-
-
 def deepspeed_checkpoint_world_size(checkpoint: str | os.PathLike) -> int | None:
     """Data-parallel world size a DeepSpeed checkpoint was written with (one optimizer shard per rank)."""
     folder = Path(checkpoint)
     tags = [(folder / "latest").read_text().strip()] if (folder / "latest").is_file() else []
     tags += [p.name for p in sorted(folder.glob("global_step*")) if p.is_dir()]
+    optim_file = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
     for tag in tags:
-        ranks = {int(m.group(1)) for f in glob.glob(str(folder / tag / "*")) if (m := _OPTIM_FILE.search(f))}
+        ranks = {int(m.group(1)) for f in glob.glob(str(folder / tag / "*")) if (m := optim_file.search(f))}
         if ranks:
             return max(ranks) + 1
     return None
@@ -322,8 +317,7 @@ def check_resume(strategy, checkpoint: str | None) -> None:
 
 
 def check_model(strategy, model) -> None:
-    """Checks on the built model: FSDP2's wrap list, and ZeRO++ quantized weights (qwZ), which assert at the first
-    forward that each gathered shard holds a multiple of 8 values (a leaf module is one unit)."""
+    """FSDP2's wrap list; ZeRO++ quantized weights (qwZ) need gathered shards of 8k values (a leaf module is one)."""
     check_fsdp_wrap(strategy, model)
     if not is_true(config_value(strategy.deepspeed_config, "zero_optimization.zero_quantized_weights")):
         return

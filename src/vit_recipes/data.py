@@ -176,8 +176,7 @@ def encode_labels(
             if array.null_count:
                 raise RecipeError(f"split '{split}' has {array.null_count} rows without a label in '{column}'")
         ordered = sorted({v for array in values.values() for v in pc.unique(array).to_pylist()})
-        names, source = [str(v) for v in ordered], "sorted values"
-        lookup = {v: i for i, v in enumerate(ordered)}
+        names, lookup, source = [str(v) for v in ordered], {v: i for i, v in enumerate(ordered)}, "sorted values"
     if len(names) < 2:
         raise RecipeError(f"label column '{column}' has {len(names)} class(es); classification needs at least 2")
     if multi := listed or problem_type == MULTI_LABEL:
@@ -216,9 +215,7 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     source, preset = resolve_source(data_args.dataset_name)
     dataset_dict = load_any(source, data_args.dataset_config_name, cache_dir)
     train_split = data_args.train_split_name  # loaded for eval-only runs too: same label mapping, same carved split
-    train_name = _split(dataset_dict, None, (train_split,), "train")
-    if need_train and train_name is None:
-        raise RecipeError(f"train split '{train_split}' does not exist; splits are: {', '.join(dataset_dict)}")
+    train_name = _split(dataset_dict, train_split if need_train else None, (train_split,), "train")
     val_name = _split(dataset_dict, data_args.validation_split_name, VALIDATION_SPLITS, "validation")
     test_name = _split(dataset_dict, data_args.test_split_name, ("test",), "test")
     used = [n for n in (train_name, val_name, test_name) if n]
@@ -458,11 +455,9 @@ def decode_splits(
     storage = storage_format(reference, splits.image_column, image_size, storage_size)
     notes, decoded, skipped = list(splits.notes), dict.fromkeys(("train", "validation", "test")), {}
     for name, split in splits.present().items():
-        decoded[name], skipped_here = decode_split(split, splits.image_column, storage, num_proc, name, notes)
-        if skipped_here:
-            skipped[name] = skipped_here
-    stored = dict(image_column=PIXELS, storage_shape=storage.shape, white=storage.white, skipped=skipped, notes=notes)
-    return replace(splits, **decoded, **stored)
+        decoded[name], skipped[name] = decode_split(split, splits.image_column, storage, num_proc, name, notes)
+    stored = dict(image_column=PIXELS, storage_shape=storage.shape, white=storage.white, notes=notes)
+    return replace(splits, **decoded, **stored, skipped={name: rows for name, rows in skipped.items() if rows})
 
 
 def balanced_weights(splits: ImageSplits) -> torch.Tensor:

@@ -1,5 +1,4 @@
-"""A run's figures drawn by a child process while the GPU evaluates: in the run's process they held its end up by
-seconds (matplotlib's import included); in a thread the GIL slowed the evaluation by about as much as they saved."""
+"""A run's figures, drawn by a child process while the GPU evaluates (in-process or in a thread, they cost seconds)."""
 
 from __future__ import annotations
 

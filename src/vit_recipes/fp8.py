@@ -1,5 +1,4 @@
-"""FP8 matmuls for training (`--fp8`), keeping the fp32/bf16 weights. `torchao`: float8 linear layers but the head,
-LoRA's adapters and sizes not multiples of 16 (emulated on a CPU); `transformer_engine`: TE's kernels per ViT layer."""
+"""FP8 matmuls for training (`--fp8`) over fp32/bf16 weights: torchao's float8 linear layers, or TE's per ViT layer."""
 
 import logging
 
@@ -59,8 +58,7 @@ def convert_to_transformer_engine(model: torch.nn.Module) -> int:
 
 # Hand-written: accelerate's convert_model and te.TransformerLayer both change a ViT's parameters and state dict.
 class TransformerEngineViTLayer(ViTLayer):
-    """A ViT layer that trains through TE's FP8 matmuls (attention: SDPA) on its own parameters, bound each step, never
-    copied; evaluation runs transformers' forward. TE's FP8 scaling history is not saved."""
+    """Trains via TE's FP8 matmuls on its own parameters (not copied; TE's scaling history unsaved); eval: eager."""
 
     warned = False  # about a batch FP8 cannot take, once per process
 

@@ -54,8 +54,7 @@ def check_push_ready(training_args) -> None:
 
 
 def is_network_error(err: BaseException) -> bool:
-    """No answer from the Hub: huggingface_hub's offline errors, or its transport's HTTPError (httpx in 1.x, httpx2
-    in 2.x; huggingface_hub.errors names it) that carries no response. HfHubHTTPError is an answer (a status)."""
+    """No answer from the Hub: offline errors, or a transport HTTPError that is no HfHubHTTPError (no status)."""
     types = [hf_errors.OfflineModeIsEnabled, hf_errors.LocalEntryNotFoundError, ConnectionError, TimeoutError]
     with contextlib.suppress(ImportError):  # datasets and older paths still talk through requests
         import requests
@@ -81,8 +80,7 @@ def reachable_or_cached(name: str, cache_dir: str | None, revision: str | None, 
 
 
 def hub_error_message(err: Exception, what: str, local_path: str | None = None, missing: str | None = None) -> str:
-    """One line for a failed Hub call (push or download); `local_path` names where the run's files are; `missing`, a
-    name that could also be a local folder but is not one here (`data/digits`): said first."""
+    """One line for a failed Hub call; `local_path`: the run's files; `missing`: a local folder name not found here."""
     chain = [err]  # and what it wraps: transformers re-raises Hub errors as OSError `from` the original
     while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and all(inner is not e for e in chain):
         chain.append(inner)

@@ -1,5 +1,4 @@
-"""SIGINT/SIGTERM during training: checkpoint at the next step end, then stop with one line (through the Trainer's
-callback flags). A second signal over REPEAT_AFTER seconds later stops at once; sooner, it is a launcher forwarding."""
+"""SIGINT/SIGTERM while training: checkpoint at the next step end, then stop; a later second signal stops at once."""
 
 import functools
 import signal
@@ -22,8 +21,7 @@ class RunInterrupted(Exception):
 
 
 class StopOnSignal(TrainerCallback):
-    """Catches SIGINT/SIGTERM while training; at the next step end all ranks agree one was signalled (launchers signal
-    workers a moment apart) and ask the Trainer to save and stop."""
+    """At the step end after SIGINT/SIGTERM on any rank (launchers signal them apart), the Trainer saves and stops."""
 
     def __init__(self):
         self.signum: int | None = None  # the first signal received
@@ -72,8 +70,7 @@ class StopOnSignal(TrainerCallback):
 
 
 def worker_ignores_stop_signals(then, worker_id: int) -> None:
-    """A DataLoader worker's init, then `then` (if any): ignore SIGINT/SIGTERM, the main process's to handle (a killed
-    worker raised "DataLoader worker ... is killed by signal" mid-step)."""
+    """DataLoader workers leave SIGINT/SIGTERM to the main process (killed, they failed the step); then `then`."""
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     if then is not None:
@@ -82,8 +79,7 @@ def worker_ignores_stop_signals(then, worker_id: int) -> None:
 
 @functools.cache
 def kill_workers_at_exit() -> None:
-    """Once per process: at exit, SIGKILL daemonic children still alive (DataLoader workers ignore the SIGTERM that
-    multiprocessing's exit hook sends, then waits on)."""
+    """Once per process: at exit, SIGKILL live daemonic children (DataLoader workers ignore the exit's SIGTERM)."""
     import atexit
     import multiprocessing
 

@@ -74,8 +74,7 @@ def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:
 
 
 def remove_shm_buffer_at_exit() -> None:
-    """At exit, delete this rank's DeepSpeed all-reduce buffer (69 MB in /dev/shm, never unlinked by DeepSpeed); on
-    each machine's first rank, also those killed ranks left."""
+    """Delete this rank's DeepSpeed buffer (69 MB in /dev/shm) at exit; on local rank 0, killed ranks' ones now."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         remove_stale_shm_buffers()
     rank, port = os.environ.get("RANK"), os.environ.get("MASTER_PORT")

@@ -30,8 +30,7 @@ def transformer_layers(model: nn.Module, flag: str = "--layer_decay") -> nn.Modu
 
 
 def layer_decay_groups(model: nn.Module, decay: float, lr: float, weight_decay: float, decay_names) -> list[dict]:
-    """Optimizer groups, lr * decay ** (L + 1 - i) for layer i of L (embeddings 0, head L + 1, as timm), weight decay
-    on `decay_names`; the head's group first, so the logged rate is its."""
+    """Groups at lr * decay ** (L + 1 - i) for layer i of L (embeddings 0, head L + 1: first, as logged), as timm."""
     layers = transformer_layers(model)
     depth, after, groups = len(layers), False, {}
     inside = {id(p): i + 1 for i, layer in enumerate(layers) for p in layer.parameters()}
@@ -69,8 +68,7 @@ def drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 class WeightAverage(TrainerCallback):
-    """--ema_decay: an fp32 average of the trained parameters after each step, saved with each checkpoint (restored on
-    resume) and copied into the model at the end, for evaluation and saving."""
+    """--ema_decay: an fp32 average of the trained parameters, checkpointed, and copied into the model at the end."""
 
     def __init__(self, decay: float):
         self.decay, self.average = decay, None

@@ -53,8 +53,7 @@ def freeze_backbone(model: nn.Module) -> list[str]:
 
 
 def _leaf_names(names) -> list[str]:
-    """The last part of each module name, as peft matches targets; an index in a Sequential (ConvNeXt's
-    `downsampling_layer.1`) keeps its parent's name, since `1` alone would match every second child anywhere."""
+    """The last part of each module name, as peft matches them (an index, as in `downsampling.1`, keeps its parent)."""
     return sorted({".".join(name.split(".")[-2:]) if name.rsplit(".", 1)[-1].isdigit() else name.rsplit(".", 1)[-1]
                    for name in names})  # fmt: skip
 

@@ -19,7 +19,6 @@ BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for host memory, also used 
 
 
 def gib(size: float) -> str:
-    """Bytes as GiB with one decimal, for tables and log lines."""
     return f"{size / GIB:.1f}"
 
 
@@ -162,17 +161,11 @@ def model_shape(config, num_labels: int | None = None, image_size: int | None = 
     params, largest = model_size(config)
     size, patch = (v[0] if isinstance(v, (list, tuple)) else v for v in (config.image_size, config.patch_size))
     return ModelShape(
-        params=params,
-        largest_layer_params=largest,
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        heads=config.num_attention_heads,
-        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
-        image_size=int(size),
-        patch_size=int(patch),
-        num_labels=config.num_labels,
+        params=params, largest_layer_params=largest, layers=config.num_hidden_layers, hidden=config.hidden_size,
+        heads=config.num_attention_heads, intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        image_size=int(size), patch_size=int(patch), num_labels=config.num_labels,
         channels=getattr(config, "num_channels", 3),
-    )
+    )  # fmt: skip
 
 
 def activation_bytes(
@@ -189,8 +182,7 @@ def activation_bytes(
     return shape.layers * per_layer + once
 
 
-# The shipped configs of these train under DeepSpeed's torch_autocast (fp32 weights; tests check ds_configs/); the
-# offload configs keep DeepSpeed's bf16 mode, 16-bit weights on the GPU.
+# Shipped configs that autocast over fp32 weights (tests check ds_configs/); offload ones: bf16 mode, 16-bit weights
 AUTOCAST = ("zero1", "zero2", "zero3", "zeropp")
 
 
@@ -200,34 +192,26 @@ def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, pr
 
     P, L, n = shape.params, shape.largest_layer_params, gpus_per_node * nodes
     ddp = estimate_training_usage(4 * P, "float32" if precision == "fp32" else "bfloat16")
-    if key == "ddp":
-        return ddp["model"], ddp["gradients"], ddp["optimizer"], 0.0
-    if key.startswith("fsdp"):
-        in_flight = 2 * L * (4 if precision == "fp32" else 2)  # two unsharded layers in the compute dtype
-        if key == "fsdp2":
-            return ddp["model"] / n + in_flight, ddp["gradients"] / n, ddp["optimizer"] / n, 0.0
-        return in_flight, in_flight / 2, 0.0, fsdp2_offload_host(P, nodes)
-    if precision != "fp32" and key not in AUTOCAST:  # DeepSpeed's bf16 mode: 16-bit weights on the GPU, rest on host
-        if key == "zero2_offload":
+    in_flight = 2 * L * (4 if precision == "fp32" else 2)  # FSDP2: two unsharded layers in the compute dtype
+    if precision != "fp32" and key.startswith("zero") and key not in AUTOCAST:  # DeepSpeed's bf16 mode: offload
+        if key == "zero2_offload":  # 16-bit weights on the GPU, the rest on the host
             host, gpu = zero2_states(P, gpus_per_node, nodes, offload=True)
-            return float(gpu), 0.0, 0.0, float(host)
-        if key == "zero3_offload":
+        else:
             host, gpu, _ = zero3_states(P, L, gpus_per_node, nodes, offload=True, offload_params=True)
-            return float(gpu), 0.0, 0.0, float(host)
-        raise KeyError(key)
-    # fp32 weights (DeepSpeed's estimators assume 16-bit ones), with its fp32 master copy (4P/N) beside Adam's moments
-    if key == "zero1":
-        return 4 * P, 4 * P, 12 * P / n, 0.0
-    if key == "zero2":
-        return 4 * P, 4 * P / n, 12 * P / n, 0.0
-    if key == "zero2_offload":
-        return 4 * P, 0.0, 0.0, (4 + 8) * P / nodes * BUFFER
-    if key in ("zero3", "zeropp"):
-        extra = 4 * P / gpus_per_node if key == "zeropp" else 0
-        return 4 * P / n + 8 * L + extra, 4 * P / n, 12 * P / n, 0.0
-    if key == "zero3_offload":
-        return 8 * L, 0.0, 0.0, (4 + 4 + 8) * P / nodes * BUFFER
-    raise KeyError(key)
+        return float(gpu), 0.0, 0.0, float(host)
+    # ZeRO over fp32 weights (not what DeepSpeed's estimators assume): an fp32 master copy (4P/N) beside Adam's
+    rows = {
+        "ddp": (ddp["model"], ddp["gradients"], ddp["optimizer"], 0.0),
+        "fsdp2": (ddp["model"] / n + in_flight, ddp["gradients"] / n, ddp["optimizer"] / n, 0.0),
+        "fsdp2_offload": (in_flight, in_flight / 2, 0.0, fsdp2_offload_host(P, nodes)),
+        "zero1": (4 * P, 4 * P, 12 * P / n, 0.0),
+        "zero2": (4 * P, 4 * P / n, 12 * P / n, 0.0),
+        "zero2_offload": (4 * P, 0.0, 0.0, (4 + 8) * P / nodes * BUFFER),
+        "zero3": (4 * P / n + 8 * L, 4 * P / n, 12 * P / n, 0.0),
+        "zeropp": (4 * P / n + 8 * L + 4 * P / gpus_per_node, 4 * P / n, 12 * P / n, 0.0),
+        "zero3_offload": (8 * L, 0.0, 0.0, (4 + 4 + 8) * P / nodes * BUFFER),
+    }
+    return rows[key]
 
 
 @dataclass
@@ -256,26 +240,17 @@ class Estimate:
         return self.states + self.activations_ckpt + self.overhead
 
 
-OPTIONS = tuple(s for s in STRATEGIES if s.name != "single")  # the multi-process rows
-
-
 def estimate(
-    shape: ModelShape,
-    gpus: int,
-    batch: int,
-    nodes: int = 1,
-    precision: str = "bf16",
-    attention: str = "sdpa",
-    overhead_gib: float = 2.0,
-    keys: tuple[str, ...] | None = None,
-) -> list[Estimate]:
+    shape: ModelShape, gpus: int, batch: int, nodes: int = 1, precision: str = "bf16", attention: str = "sdpa",
+    overhead_gib: float = 2.0, keys: tuple[str, ...] | None = None,
+) -> list[Estimate]:  # fmt: skip
     """Every multi-process strategy's (or those in `keys`) memory per GPU for `shape` at per-device `batch`."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise RecipeError(f"--gpus {gpus} must be a positive multiple of --nodes {nodes}")
     per_node = gpus // nodes
     act, act_ckpt = (activation_bytes(shape, batch, precision, ckpt, attention) for ckpt in (False, True))
     out = []
-    for spec in (s for s in OPTIONS if not keys or s.name in keys):
+    for spec in (s for s in STRATEGIES if s.name != "single" and (not keys or s.name in keys)):  # multi-process rows
         params, grads, optimizer, host = model_states(spec.name, shape, per_node, nodes, precision)
         out.append(Estimate(spec, params, grads, optimizer, act, act_ckpt, host, overhead_gib * GIB))
     return out

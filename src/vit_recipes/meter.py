@@ -1,5 +1,4 @@
-"""Training speed and memory: per-log figures (`extend_logs`) and the run's (`metrics`); docs/observability.md.
-Times optimizer steps and data waits (`add_data_wait`), dropping intervals over evaluation, saves, epochs, exports."""
+"""Training speed and memory of optimizer steps and data waits, per log and for the run (docs/observability.md)."""
 
 import sys
 import time

@@ -192,8 +192,7 @@ class FinetuneSetup:
 
 def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, training_args):
     """Fill in the parameter counts and LoRA settings (for the card), and print the summary line."""
-    # ZeRO-3: in full
-    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]  # ZeRO-3: all
     total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
     percent = round(100 * trainable / max(total, 1), 4)
     setup.metrics = dict(train_trainable_params=trainable, train_total_params=total, train_trainable_percent=percent)
@@ -253,8 +252,7 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
 
 
 def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", cache_dir: str | None = None):
-    """The checkpoint's tensors minus the reshaped ones (the new head, initialised as missing), or None. As in
-    transformers, only rank 0 reads values; other ranks get meta tensors."""
+    """The checkpoint's tensors minus the reshaped ones (the new head), or None; ranks but 0 get meta tensors."""
     import torch
     from accelerate import init_empty_weights
     from safetensors import safe_open

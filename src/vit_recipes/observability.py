@@ -1,5 +1,4 @@
-"""What a Trainer reports while it trains: speed meter, final metrics in TensorBoard, the profiler window
-(--profile_steps) and DeepSpeed's flops profile (docs/observability.md)."""
+"""What a Trainer reports: speed meter, final metrics in TensorBoard, profiler window, DeepSpeed's flops profile."""
 
 import json
 import logging
@@ -17,8 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 class ProfilerCallback(TrainerCallback):
-    """Profile optimizer steps `first`..`last` (1-based, inclusive, data loading included) on every rank, warming up
-    one step early where it can; a run ending inside the window writes what was recorded."""
+    """Profile optimizer steps `first`..`last` (1-based, inclusive) on every rank, warming up one step early."""
 
     def __init__(self, first: int, last: int, output_dir: str, options: dict, pause: list):
         self.first, self.last = first, last

@@ -1,5 +1,4 @@
-"""Patch dropout (`--patch_dropout RATE`, timm's `patch_drop_rate`): training images keep a fixed count of random
-patch tokens (and [CLS]) after the position embeddings, through a forward hook; evaluation sees every patch."""
+"""`--patch_dropout RATE` (timm's `patch_drop_rate`): training keeps [CLS] and a fixed count of random patch tokens."""
 
 from __future__ import annotations
 

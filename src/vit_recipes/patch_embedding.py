@@ -33,9 +33,7 @@ def is_patch_conv(m: nn.Module) -> bool:
 
 def use_patch_matmul(model: nn.Module, enabled: bool = True) -> int:
     """Compute every patch-embedding convolution of `model` as a matmul, in place; returns how many."""
-    if not enabled:
-        return 0
-    convs = [m for m in model.modules() if is_patch_conv(m)]
+    convs = [m for m in model.modules() if is_patch_conv(m)] if enabled else []
     for conv in convs:  # swapping the class keeps the parameters (and DeepSpeed/FSDP attributes on them) untouched
         conv.__class__ = PatchMatmulConv2d
     if convs:

@@ -1,5 +1,4 @@
-"""The run plan: strategy, precision, global batch, device and output directory, derived once before any data is
-loaded (`build_plan`) and applied to other libraries' settings (`configure`). Nothing downstream re-derives them."""
+"""The run's strategy, precision, batch, device and output dir: derived once (`build_plan`), applied (`configure`)."""
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from .memory import PREFERENCE, config_from_args, estimate, gib, model_shape
 from .run_dir import OutputState, lock_output_dir, remove_checkpoints, resolve_output_dir, to_universal
 
 logger = logging.getLogger(__name__)
+OFFLOADS = ("offload_optimizer", "offload_param")  # DeepSpeed's zero_optimization sections
 
 
 def load_deepspeed_config(value) -> tuple[dict, str]:
@@ -90,17 +90,11 @@ def read_strategy(training_args) -> Strategy:
             deepspeed, source = load_deepspeed_config(file)
         else:  # an accelerate YAML with inline deepspeed_config fields
             stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
-            deepspeed = {
-                "zero_optimization": {
-                    "stage": int(stage) if stage.isdigit() else None,
-                    "offload_optimizer": {"device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")},
-                    "offload_param": {"device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")},
-                }
-            }
+            zero = {key: {"device": env.get(f"ACCELERATE_DEEPSPEED_{key.upper()}_DEVICE", "none")} for key in OFFLOADS}
+            deepspeed = {"zero_optimization": {"stage": int(stage) if stage.isdigit() else None, **zero}}
             source = "the accelerate config"
     fsdp_config = getattr(training_args, "fsdp_config", None) or {}
-    fsdp_args = bool(getattr(training_args, "fsdp", None))
-    fsdp_env = is_true(env.get("ACCELERATE_USE_FSDP"))
+    fsdp_args, fsdp_env = bool(getattr(training_args, "fsdp", None)), is_true(env.get("ACCELERATE_USE_FSDP"))
     fsdp = fsdp_args or fsdp_env
 
     def fsdp_option(key: str, env_key: str) -> bool:  # set in the arguments' fsdp_config, or by accelerate launch
@@ -110,7 +104,7 @@ def read_strategy(training_args) -> Strategy:
     if deepspeed is not None:
         offload_optimizer, offload_params = (
             str(config_value(deepspeed, f"zero_optimization.{key}.device") or "none").lower() in ("cpu", "nvme")
-            for key in ("offload_optimizer", "offload_param")
+            for key in OFFLOADS
         )
     wrap = (fsdp_env and env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")) or fsdp_config.get("transformer_layer_cls_to_wrap")
     if isinstance(wrap, str):
@@ -123,20 +117,14 @@ def read_strategy(training_args) -> Strategy:
     hpz = config_value(deepspeed, "zero_optimization.zero_hpz_partition_size") or 1
     zeropp = any(is_true(config_value(deepspeed, f"zero_optimization.{key}")) for key in quantized) or hpz > 1
     return Strategy(
-        spec=strategies.identify(stage, fsdp, offload_optimizer, zeropp, world),
-        world_size=world,
-        processes_per_node=env_int("LOCAL_WORLD_SIZE", default=world),
-        deepspeed_config=deepspeed,
-        deepspeed_source=source,
-        from_accelerate=from_accelerate or (fsdp_env and not fsdp_args),
-        fsdp=fsdp,
+        spec=strategies.identify(stage, fsdp, offload_optimizer, zeropp, world), world_size=world,
+        processes_per_node=env_int("LOCAL_WORLD_SIZE", default=world), deepspeed_config=deepspeed,
+        deepspeed_source=source, from_accelerate=from_accelerate or (fsdp_env and not fsdp_args), fsdp=fsdp,
         fsdp_activation_checkpointing=fsdp_option("activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING")
         or (fsdp and bool(getattr(training_args, "gradient_checkpointing", False))),
-        fsdp_wrap=tuple(n.strip() for n in wrap if n.strip()) if wrap else None,
-        offload_optimizer=offload_optimizer,
-        offload_params=offload_params,
-        autocast=turned_on(deepspeed, "torch_autocast"),
-    )
+        fsdp_wrap=tuple(n.strip() for n in wrap if n.strip()) if wrap else None, offload_optimizer=offload_optimizer,
+        offload_params=offload_params, autocast=turned_on(deepspeed, "torch_autocast"),
+    )  # fmt: skip
 
 
 def device_kind(training_args) -> str:
@@ -148,16 +136,12 @@ def device_kind(training_args) -> str:
         return "cuda"
     if torch.backends.mps.is_available():
         return "mps"
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return "xpu"
-    return "cpu"
+    return "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
 
 
 def precision_of(training_args) -> str:
-    if training_args.fp16:
-        return "fp16"
-    if training_args.bf16:
-        return "bf16"
+    if training_args.fp16 or training_args.bf16:
+        return "fp16" if training_args.fp16 else "bf16"
     launched = str(getattr(training_args, "mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION", ""))
     return launched.lower() if launched.lower() in ("bf16", "fp16") else "fp32"
 
@@ -195,8 +179,7 @@ def build_plan(args: RunArguments) -> RunPlan:
     plan = RunPlan(strategy, precision, device, global_batch, resolve_output_dir(t, identity), identity)
     check_plan(plan, args)
     spec, resumed = strategy.spec, f" from {plan.resume_from}" if plan.resume_from else ""
-    # DeepSpeed's two ways to train in 16 bits (docs/distributed.md, "Precision under DeepSpeed")
-    half = strategy.deepspeed and precision != "fp32"
+    half = strategy.deepspeed and precision != "fp32"  # DeepSpeed's two 16-bit modes: docs/distributed.md
     weights = " (DeepSpeed's torch_autocast, fp32 weights)" if strategy.autocast else " (16-bit weights)"
     logger.info(
         f"Plan: {spec.label} on {strategy.world_size} process(es) (sharded: {spec.shards}), {plan.precision}"
@@ -260,24 +243,6 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
     return strategy
 
 
-def hand_precision_to_deepspeed(t, precision: str) -> None:
-    """torch_autocast over fp32 weights, as DDP: fill its "auto" fields; the Trainer's bf16 (16-bit weights) off."""
-    plugin = t.deepspeed_plugin
-    config = plugin.deepspeed_config  # the dict DeepSpeed receives, under either launcher
-    section = config["torch_autocast"]
-    if section.get("enabled") == "auto":
-        section["enabled"] = precision != "fp32"
-    if section.get("dtype", "auto") == "auto":
-        section["dtype"] = "bfloat16"  # fp16 is refused with torch_autocast (checks.py)
-    for mode in ("bf16", "fp16"):  # accelerate's plugin set these from --bf16/--fp16 when the arguments were parsed
-        if isinstance(config.get(mode), dict):
-            config[mode]["enabled"] = False
-    t.bf16 = t.fp16 = False
-    t.mixed_precision = "no"  # what the Trainer hands to accelerate
-    if getattr(plugin, "dschf", None) is not None:  # accelerate's copy, which ZeRO-3's model init reads
-        plugin.set_deepspeed_weakref()
-
-
 def eager_if_compile_fails() -> None:
     """What torch.compile cannot compile runs eagerly, said in one warning, not a traceback per frame."""
     import torch._dynamo
@@ -301,8 +266,7 @@ def eager_if_compile_fails() -> None:
     dynamo_log.addFilter(one_line)
 
 
-# A regional compile costs what ~1000 steps save when cold, ~400 from a compile cache holding the run's artifacts
-# (docs/benchmarks.md, "When compilation pays").
+# A regional compile costs what ~1000 steps save cold, ~400 warm (docs/benchmarks.md, "When compilation pays").
 COMPILE_PAYS_AFTER_STEPS = 1000
 COMPILE_PAYS_AFTER_STEPS_WARM = 400
 COMPILED_RECORD = "vit_recipes_compiled.json"  # in the compile cache: the runs whose artifacts it holds
@@ -343,13 +307,11 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
 def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
     """A digest of compiled artifacts' inputs; a wrong match costs a cold compile (Inductor keys by graph)."""
     import hashlib
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import distributions
 
     import torch
 
-    triton_version = None
-    with contextlib.suppress(PackageNotFoundError):  # without importing Triton (a short eager run never needs it)
-        triton_version = version("triton")
+    triton_version = next((d.version for d in distributions(name="triton")), None)  # without importing Triton
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("id2label", "label2id", "_name_or_path")}
     t = args.training
     parts = [torch.__version__, triton_version, torch.cuda.get_device_name(), repr(model), config,
@@ -420,8 +382,20 @@ def configure(plan: RunPlan, args: RunArguments) -> None:
         set_checkpointing(t, False)
     if strategy.deepspeed:
         bind_deepspeed_comm()
-    if strategy.autocast:
-        hand_precision_to_deepspeed(t, plan.precision)
+    if strategy.autocast:  # torch_autocast over fp32 weights, as DDP: fill its "auto" fields; the Trainer's bf16 off
+        config = t.deepspeed_plugin.deepspeed_config  # the dict DeepSpeed receives, under either launcher
+        section = config["torch_autocast"]
+        if section.get("enabled") == "auto":
+            section["enabled"] = plan.precision != "fp32"
+        if section.get("dtype", "auto") == "auto":
+            section["dtype"] = "bfloat16"  # fp16 is refused with torch_autocast (checks.py)
+        for mode in ("bf16", "fp16"):  # accelerate's plugin set these from --bf16/--fp16 at parsing
+            if isinstance(config.get(mode), dict):
+                config[mode]["enabled"] = False
+        t.bf16 = t.fp16 = False
+        t.mixed_precision = "no"  # what the Trainer hands to accelerate
+        if getattr(t.deepspeed_plugin, "dschf", None) is not None:  # accelerate's copy, read by ZeRO-3's model init
+            t.deepspeed_plugin.set_deepspeed_weakref()
     if t.torch_compile:  # asked for; unset, decide_compile chooses once the number of steps is known
         eager_if_compile_fails()
     saved = plan.resume_from and strategy.deepspeed and deepspeed_checkpoint_world_size(plan.resume_from)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn: ~0.8 s off every process's start-up
     from matplotlib.figure import Figure
 
-# eval_* keys that describe the evaluation loop rather than the model
 _EVAL_BOOKKEEPING = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
 _RANK_KEY = re.compile(r"^(?P<name>.+)_rank(?P<rank>\d+)$")
 
@@ -32,9 +31,8 @@ def figure_grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[F
     return fig, [fig.add_subplot(rows, cols, i + 1) for i in range(panels)]
 
 
-# What each logged key is, for people: (title, y-axis label). Others: the key in words, unit-less.
 _FRACTION = "fraction (1 = all)"
-_KNOWN = {
+_KNOWN = {  # logged key -> (title, y-axis label); describe() puts other keys in words, unit-less
     "loss": ("Loss", "loss (batch mean)"),  # per image, or per image and label (multi-label)
     "learning_rate": ("Learning rate", "learning rate"),
     "grad_norm": ("Gradient norm (mean over each logging window)", "L2 norm, before clipping"),
@@ -69,8 +67,7 @@ def describe(key: str) -> tuple[str, str]:
 def _finish(ax, title: str, ylabel: str, legend: bool = False) -> None:
     """Title, axes, grid; y from zero (a 0.996 -> 1.0 step is no cliff) with headroom; a legend goes below the axes."""
     ax.set_title(title, fontsize=10)
-    ax.set_xlabel("training step")
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel="training step", ylabel=ylabel)
     ax.grid(alpha=0.3)
     values = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y)]
     top = max(values, default=1.0)

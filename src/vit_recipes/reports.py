@@ -57,9 +57,7 @@ def plot_confusion_matrix(matrix: np.ndarray, label_names: list[str], path: str,
     ax.set_xticks(ticks, names, rotation=90, **props)
     ax.set_yticks(ticks, names, **props)
     ids = "" if names == shortened else " (class id: names in the per-class CSV)"
-    ax.set(xlabel=f"Predicted class{ids}", ylabel=f"True class{ids}")
-    if title:
-        ax.set_title(title)
+    ax.set(xlabel=f"Predicted class{ids}", ylabel=f"True class{ids}", title=title)
     if num_classes <= MAX_ANNOTATED_CLASSES:
         # Size the counts to fit their cells (the matrix spans ~70% of the figure side; 72 points per inch).
         cell = 0.7 * side * 72 / len(matrix)

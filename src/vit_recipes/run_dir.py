@@ -1,7 +1,5 @@
 """The output directory holds one run: resume it, or refuse to mix another run into it. Never overwrite silently.
-
-`run_identity.json`, written into `checkpoint-N` last (every rank's files on disk), records the run that wrote it:
-auto-resume skips, saying so, a checkpoint without it (incomplete) and refuses one of another run."""
+A checkpoint's `run_identity.json`, written last, names its run: auto-resume skips one without it."""
 
 import json
 import logging
@@ -29,8 +27,7 @@ _ELSEWHERE = "choose another --output_dir or pass --overwrite_output_dir"  # the
 
 @dataclass(frozen=True)
 class OutputState:
-    """What to do with the output directory: `state` is "fresh" (nothing there, or not training), "resume" (this
-    run's own checkpoint), "overwrite", or "refuse" (another run, a finished run, a foreign folder)."""
+    """What to do with the output directory: `state` is "fresh", "resume", "overwrite" or "refuse"."""
 
     state: str
     resume_from: str | None = None  # the checkpoint to resume (with "refuse": the one it would have resumed)
@@ -109,8 +106,7 @@ def resolve_output_dir(training_args, run: dict) -> OutputState:
     if changed := _differences(json.loads(saved_file.read_text()), run):
         anyway = f", or resume its {complete.name} anyway with --resume_from_checkpoint {complete}" if complete else ""
         return _refuse(f"output_dir {out} holds a different run ({changed[0]}); {_ELSEWHERE}{anyway}", candidate)
-    # Finished: results and model card written (the card last) and no more steps or epochs asked for. Resuming would
-    # train nothing and rewrite both, losing the training time and throughput they hold.
+    # Finished (results, then the card, written; no more steps asked for): resuming would train nothing, rewrite both.
     finished = (out / "all_results.json").is_file() and (not complete or (out / "README.md").is_file())
     if finished and not (complete and _asks_for_more(training_args, complete)):
         return _refuse(
@@ -134,8 +130,7 @@ _HELD_LOCKS: dict = {}  # folder -> its open lock file: the OS drops the lock wh
 
 
 def lock_output_dir(output_dir: str | os.PathLike) -> None:
-    """One run at a time in an output folder: a second one, started while the first runs, would write over its
-    weights and checkpoints without a word. flock, so a crashed or killed run leaves no stale lock."""
+    """One run at a time in an output folder (flock: a crashed or killed run leaves no stale lock)."""
     import fcntl
 
     folder = Path(output_dir)
@@ -174,8 +169,7 @@ def remove_checkpoints(paths: tuple[str, ...]) -> None:
 
 
 def to_universal(checkpoint: str | os.PathLike) -> None:
-    """Make a DeepSpeed checkpoint loadable by another process count (ds_to_universal: whole fp32 weights and optimizer
-    state beside the ZeRO shards). `latest_universal`, written last, marks it finished: a cut one is redone."""
+    """ds_to_universal: a DeepSpeed checkpoint for another process count (`latest_universal`, written last: done)."""
     from types import SimpleNamespace
 
     from deepspeed.checkpoint import ds_to_universal

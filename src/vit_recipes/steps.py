@@ -86,20 +86,6 @@ def load_data(args: RunArguments) -> ImageSplits:
     return splits
 
 
-def _meter(plan: RunPlan, model, args: RunArguments, method: str, image_size: int) -> SpeedMeter:
-    """The speed meter, with MFU where the GPU's peak rate is known."""
-    peak = peak_flops(torch.cuda.get_device_name(), plan.precision) if plan.device == "cuda" else None
-    flops = None
-    if peak and args.augment.patch_dropout:
-        logger.warning("No MFU with --patch_dropout: the FLOP count assumes every patch")
-    elif peak:
-        try:
-            flops = training_flops_per_image(model.config, args.training.gradient_checkpointing, method, image_size)
-        except Exception as err:  # noqa: BLE001 - a model the meta-device count cannot run: no MFU, say why
-            logger.info("No MFU: counting this model's FLOPs failed (%s)", first_line(err, 200))
-    return SpeedMeter(plan.global_batch, flops, peak * plan.strategy.world_size if peak else None)
-
-
 def build_trainer(
     args: RunArguments, plan: RunPlan, model, splits: ImageSplits, finetune: FinetuneSetup, image_size: int, mean, std
 ) -> tuple[ImageClassificationTrainer, SpeedMeter]:
@@ -128,15 +114,23 @@ def build_trainer(
     trainer.run_identity, trainer.threshold = plan.identity, args.data.multi_label_threshold
     check_adapter_strategy(trainer, finetune)  # LoRA under FSDP/ZeRO-3: set-ups that could not save the adapter
     drop_zero3_leaf_modules(trainer, finetune)
-    meter = _meter(plan, model, args, finetune.method, image_size)
+    peak = peak_flops(torch.cuda.get_device_name(), plan.precision) if plan.device == "cuda" else None
+    flops = None  # the speed meter gives MFU where the GPU's peak rate is known
+    if peak and args.augment.patch_dropout:
+        logger.warning("No MFU with --patch_dropout: the FLOP count assumes every patch")
+    elif peak:
+        try:
+            flops = training_flops_per_image(config, training.gradient_checkpointing, finetune.method, image_size)
+        except Exception as err:  # noqa: BLE001 - a model the meta-device count cannot run: no MFU, say why
+            logger.info("No MFU: counting this model's FLOPs failed (%s)", first_line(err, 200))
+    meter = SpeedMeter(plan.global_batch, flops, peak * plan.strategy.world_size if peak else None)
     attach_observability(trainer, args.observe, meter)
     return trainer, meter
 
 
 def train(trainer, plan: RunPlan, splits: ImageSplits, finetune: FinetuneSetup, meter: SpeedMeter,
           decode_seconds: float, compiled: str | None = None) -> dict:  # fmt: skip
-    """Train (resuming the plan's checkpoint), save the final model, and return the train metrics. `compiled`: the
-    compile-cache key of a compiled run (`decide_compile`), recorded once it has trained."""
+    """Train (resuming the plan's checkpoint), save the final model, return the train metrics; `compiled`: see plan."""
     output_dir = trainer.args.output_dir
     if trainer.is_world_process_zero():
         record_run(output_dir, plan.identity)
@@ -201,8 +195,7 @@ def evaluated_at_the_end(trainer) -> dict | None:
 
 
 def start_figures(trainer, plots: bool) -> FigureProcess | None:
-    """On rank 0, a child process drawing the plots while the GPU evaluates, then the confusion matrix (figures.py).
-    None where there is nothing to plot (predict-only, --plots false)."""
+    """On rank 0, a child process drawing the plots while the GPU evaluates (figures.py); None with nothing to plot."""
     if not (plots and trainer.is_world_process_zero() and trainer.state.log_history):
         return None
     t = trainer.args
@@ -229,8 +222,7 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, f
 
 
 def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> None:
-    """Classify a folder of images into predictions.csv: file, label, score, problem (an unreadable file is listed
-    with its problem alone). Multi-label: the labels at or above the threshold, best first, joined by ';'."""
+    """Classify a folder of images into predictions.csv: file, label(s), score(s) (';'-joined), problem."""
     images = load_image_folder(data_args.predict_images)
     if splits.storage_shape:  # stored as the model's training images were
         storage = StorageFormat(splits.storage_shape, splits.white)

@@ -1,5 +1,4 @@
-"""The one table of distributed strategies: how to launch each, what it shards and supports. plan.py, tools/advise.py,
-benchmarks, reports, the model card and the docs all use these names. Pure data: this module imports nothing."""
+"""The one table of distributed strategies, whose names all code and docs use. Pure data: it imports nothing."""
 
 from __future__ import annotations
 
@@ -24,14 +23,6 @@ class StrategySpec:
         return feature not in self.refusals
 
 
-_FP8_SHARDED = (
-    "--fp8 runs on one GPU or under DDP; with {label} it is untested (sharding splits the float8 layers' weights): "
-    "drop --fp8 or use accelerate_configs/ddp.yaml"
-)
-_ZERO3_REGIONS = (
-    "--torch_compile_regions does not train correctly under ZeRO-3 (on 2 H200s ViT-B's loss after 60 steps was "
-    "1.98 against 1.31 eager) and was slower there: drop it, or use ZeRO-2 or FSDP2 with it"
-)
 _ALL, _GRADS = "parameters, gradients and optimizer states", "optimizer states and gradients"
 _ROWS = (  # name, label, accelerate config, DeepSpeed JSON (under accelerate_configs/, ds_configs/), stage, shards
     ("single", "one device", None, None, None, "nothing"),
@@ -50,9 +41,15 @@ _ROWS = (  # name, label, accelerate config, DeepSpeed JSON (under accelerate_co
 def _spec(name, label, accelerate, deepspeed, stage, shards) -> StrategySpec:
     refusals = {}
     if name not in ("single", "ddp"):
-        refusals["fp8"] = _FP8_SHARDED.format(label=label)
+        refusals["fp8"] = (
+            f"--fp8 runs on one GPU or under DDP; with {label} it is untested (sharding splits the float8 layers' "
+            "weights): drop --fp8 or use accelerate_configs/ddp.yaml"
+        )
     if stage == 3:
-        refusals["torch_compile_regions"] = _ZERO3_REGIONS
+        refusals["torch_compile_regions"] = (
+            "--torch_compile_regions does not train correctly under ZeRO-3 (on 2 H200s ViT-B's loss after 60 steps "
+            "was 1.98 against 1.31 eager) and was slower there: drop it, or use ZeRO-2 or FSDP2 with it"
+        )
     if stage == 3 or name.startswith("fsdp"):  # each process holds a shard of each weight, not the weight
         refusals["ema"] = f"--ema_decay averages whole weights and {label} shards them: drop it, or use ZeRO-2 or DDP"
     accelerate, deepspeed = accelerate and f"accelerate_configs/{accelerate}", deepspeed and f"ds_configs/{deepspeed}"

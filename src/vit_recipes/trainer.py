@@ -28,30 +28,12 @@ from .transforms import smooth_targets
 logger = logging.getLogger(__name__)
 
 
-def steps_to_parameter_devices(optimizer) -> int:
-    """Put each fused/capturable optimizer `step` on its parameter's device, as torch's load_state_dict does and
-    DeepSpeed's ZeRO-1/2 universal loader does not ("state_steps is on cpu"); returns how many were moved."""
-    while getattr(optimizer, "optimizer", None) not in (None, optimizer):
-        optimizer = optimizer.optimizer  # accelerate's and DeepSpeed's wrappers hold the torch optimizer
-    moved = 0
-    for group in getattr(optimizer, "param_groups", []):
-        if not (group.get("fused") or group.get("capturable")):
-            continue
-        for param in group["params"]:
-            step = optimizer.state.get(param, {}).get("step")
-            if torch.is_tensor(step) and step.device != param.device:
-                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
-                moved += 1
-    return moved
-
-
 class _NothingLeftToTrain(Exception):
     """Raised before a step when the resumed checkpoint already holds the run's last one."""
 
 
 class _StopAtTheLastStep(TrainerCallback):
-    """Resumed from a checkpoint of the run's last step, the Trainer still trains one step more (it checks the step
-    count after a step, not before): a run killed during its final save ended at max_steps + 1 when rerun."""
+    """Resumed at the run's last step, the Trainer would train one more (it checks the count after a step)."""
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.max_steps and state.global_step >= state.max_steps:
@@ -59,8 +41,7 @@ class _StopAtTheLastStep(TrainerCallback):
 
 
 class ImageClassificationTrainer(Trainer):
-    """`Trainer` plus device transforms for uint8 batches, our loss (smoothing, mixup/cutmix, multi-label BCE),
-    checkpoints completed by their run and loss record (run_dir.py), resumes that stop at the last step, our card."""
+    """`Trainer` plus device transforms for uint8 batches, our loss, completed checkpoints (run_dir.py), our card."""
 
     def __init__(self, *args, train_transform=None, eval_transform=None, mixup=None, class_weights=None,
                  sample_weights=None, **kw):  # fmt: skip
@@ -75,8 +56,7 @@ class ImageClassificationTrainer(Trainer):
         self.run_identity: dict = {}  # the plan's identity, recorded in every checkpoint (run_dir.py)
         self.threshold = 0.5  # multi-label: a class is predicted when its sigmoid reaches this (reports)
         self.loss_sum = 0.0  # training losses since step 0, resumes included (restored by steps.train)
-        # Set by training_step / prediction_step: under regional compilation self.model stays in eval mode.
-        self._training_batch = False
+        self._training_batch = False  # set per batch: under regional compilation self.model stays in eval mode
         # The NaN/inf loss filter syncs the GPU per step: train() turns it off, training_step applies it on device.
         self.filter_nan_inf = self.args.logging_nan_inf_filter
         self.model_accepts_loss_kwargs = False  # compute_loss returns a per-batch mean: the Trainer scales it
@@ -86,14 +66,8 @@ class ImageClassificationTrainer(Trainer):
         self.ema = WeightAverage(self.args.ema_decay) if getattr(self.args, "ema_decay", 0) else None
         if self.ema is not None:
             self.add_callback(self.ema)
-        # Profiler regions: data, augment, forward, backward (DeepSpeed's includes its optimizer step) here.
-        backward = self.accelerator.backward
-
-        def labelled_backward(*args, **kwargs):  # record_function costs about a microsecond unprofiled
-            with record_function("backward"):
-                return backward(*args, **kwargs)
-
-        self.accelerator.backward = labelled_backward
+        # Profiler regions: data, augment, forward, backward (DeepSpeed's includes its optimizer step), ~1 us each.
+        self.accelerator.backward = record_function("backward")(self.accelerator.backward)
 
     def _get_dataloader(self, *args, is_training=False, **kwargs):
         # Short last batches dropped (for torch.compile) in training only: evaluation and prediction score every image.
@@ -179,9 +153,8 @@ class ImageClassificationTrainer(Trainer):
         return norm
 
     def log(self, logs, start_time=None):
-        if "grad_norm" in logs and self._grad_norms[1]:
-            total, count = self._grad_norms
-            logs["grad_norm"] = (total.item() if torch.is_tensor(total) else total) / count  # as the Trainer reads it
+        if "grad_norm" in logs and self._grad_norms[1]:  # a float, as the Trainer reads it
+            logs["grad_norm"] = float(self._grad_norms[0]) / self._grad_norms[1]
             self._grad_norms = (0.0, 0)
         # Speed and memory (meter.SpeedMeter) join the logs before any tracker; on every rank (extend_logs gathers).
         for callback in self.callback_handler.callbacks:
@@ -297,8 +270,20 @@ class ImageClassificationTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint and self.is_deepspeed_enabled:  # deepspeed_load_checkpoint has just loaded the optimizer
-            steps_to_parameter_devices(self.optimizer)
+        if not (checkpoint and self.is_deepspeed_enabled):
+            return
+        # deepspeed_load_checkpoint has just loaded the optimizer: each fused/capturable `step` goes on its parameter's
+        # device, as torch's load_state_dict does and DeepSpeed's ZeRO-1/2 universal loader does not ("on cpu").
+        optimizer = self.optimizer
+        while getattr(optimizer, "optimizer", None) not in (None, optimizer):
+            optimizer = optimizer.optimizer  # accelerate's and DeepSpeed's wrappers hold the torch optimizer
+        for group in getattr(optimizer, "param_groups", []):
+            if not (group.get("fused") or group.get("capturable")):
+                continue
+            for param in group["params"]:
+                step = optimizer.state.get(param, {}).get("step")
+                if torch.is_tensor(step) and step.device != param.device:
+                    optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
 
     def create_model_card(self, *args, **kwargs):  # push_to_hub calls it: ours replaces transformers' card
         if self.card is not None and self.is_world_process_zero():

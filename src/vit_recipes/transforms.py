@@ -169,8 +169,7 @@ def augmentation_space(policy: str, image_size: int) -> dict[str, tuple[Tensor, 
         **{name: (torch.linspace(0.0, top, bins), True) for name, top in signed.items()},
         "Posterize": (8 - (torch.arange(bins) / ((bins - 1) / posterize_span)).round(), False),
         "Solarize": (torch.linspace(255.0, 0.0, bins), False),
-        "AutoContrast": (none, False),
-        "Equalize": (none, False),
+        **dict.fromkeys(("AutoContrast", "Equalize"), (none, False)),
     }
 
 
@@ -178,10 +177,7 @@ def apply_per_sample_ops(x: Tensor, op_ids: Tensor, magnitudes: Tensor, names: S
     """Op names[op_ids[i]] with magnitudes[i] on sample i: one batched call per op, on the samples that drew it."""
     out = x.clone()
     for i, name in enumerate(names):
-        if name == "Identity":
-            continue
-        idx = (op_ids == i).nonzero().squeeze(1)
-        if idx.numel():
+        if name != "Identity" and (idx := (op_ids == i).nonzero().squeeze(1)).numel():
             out[idx] = OPS[name](x[idx], magnitudes[idx])
     return out
 
