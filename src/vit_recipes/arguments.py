@@ -36,7 +36,6 @@ class ModelArguments:
     """Which model to fine-tune, or which config to train from scratch."""
 
     _argument_group_name = "model"
-
     model_name_or_path: str | None = _arg(
         "google/vit-base-patch16-224-in21k",
         "Hub id or local path of the checkpoint to fine-tune. Set to null to train from scratch from --config_name.",
@@ -79,7 +78,6 @@ class DataArguments:
     """Where the images come from and how they are stored for training."""
 
     _argument_group_name = "data"
-
     dataset_name: str | None = _arg(
         None,
         "A preset (cifar100, food101, beans), any Hub dataset id, or a local path: an imagefolder tree, a folder of "
@@ -121,7 +119,6 @@ class AugmentationArguments:
     """Batched augmentation that runs on the training device."""
 
     _argument_group_name = "augmentation"
-
     crop_scale_min: float = _arg(0.08, "Smallest area fraction of random-resized crop (1.0 disables cropping).")
     hflip_prob: float = _arg(0.5, "Probability of a horizontal flip.")
     auto_augment: str = _arg("none", "Extra policy: 'none', 'randaugment' or 'trivialaugment'.")
@@ -152,7 +149,6 @@ class LoraArguments:
     """LoRA adapters (peft): only the adapters and the classifier head are trained."""
 
     _argument_group_name = "LoRA and head-only fine-tuning"
-
     use_peft: bool = _arg(False, "Train LoRA adapters instead of the full model.")
     lora_r: int = _arg(16, "LoRA rank.")
     lora_alpha: int = _arg(16, "LoRA scaling alpha (updates are scaled by alpha/r).")
@@ -189,7 +185,6 @@ class ObservabilityArguments:
     """Profiler traces and plots written next to the model."""
 
     _argument_group_name = "profiling and plots"
-
     profile_steps: str | None = _arg(
         None,
         "Capture PyTorch profiler Chrome traces (one per rank) for these training steps, e.g. '20-25' (pick a window "
@@ -277,7 +272,6 @@ class RecipeTrainingArguments(TrainingArguments):
     """`TrainingArguments` with defaults suited to image classification."""
 
     _argument_group_name = "training (transformers TrainingArguments, with these defaults)"
-
     overwrite_output_dir: bool = _arg(False, "Replace an output_dir that holds a different or finished run.")
     remove_unused_columns: bool = _arg(False, "Keep pixel columns (see TrainingArguments).")
     eval_strategy: str = _arg("epoch", "When to evaluate: 'no', 'steps' or 'epoch'.")

@@ -1,7 +1,5 @@
 """Refusals, each one `RecipeError` line: `check_plan` before data loads, `check_model` once the model is built."""
 
-from __future__ import annotations
-
 import glob
 import importlib.util
 import json
@@ -103,9 +101,8 @@ def check_output_dir(training_args, model_args) -> None:
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder and folder.is_dir() else 0
     if not (training_args.do_train and weights):
         return
-    # A checkpoint holds the weights and Adam's two moments (fp32 each); the final model the weights alone.
     checkpoints = str(getattr(training_args.save_strategy, "value", training_args.save_strategy)) != "no"
-    needed = weights * (3 if checkpoints else 1)
+    needed = weights * (3 if checkpoints else 1)  # a checkpoint: the weights and Adam's two moments (fp32 each)
     if (free := shutil.disk_usage(out).free) < needed:
         what = "a checkpoint" if checkpoints else "the final model"
         raise RecipeError(
@@ -287,8 +284,7 @@ def deepspeed_checkpoint_world_size(checkpoint: str | os.PathLike) -> int | None
     tags += [p.name for p in sorted(folder.glob("global_step*")) if p.is_dir()]
     optim_file = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
     for tag in tags:
-        ranks = {int(m.group(1)) for f in glob.glob(str(folder / tag / "*")) if (m := optim_file.search(f))}
-        if ranks:
+        if ranks := {int(m.group(1)) for f in glob.glob(str(folder / tag / "*")) if (m := optim_file.search(f))}:
             return max(ranks) + 1
     return None
 
@@ -404,9 +400,8 @@ def check_hub(args) -> None:
                     "pass a local checkpoint folder (--model_name_or_path ./checkpoint) or unset HF_HUB_OFFLINE"
                 ) from None
             raise RecipeError(hub_error_message(err, what, missing=_as_path(name))) from None
-    cached_only = offline_env() or is_true(os.environ.get("HF_DATASETS_OFFLINE"))  # datasets then reads its cache
-    if _hub_id(dataset) and not cached_only:
-        try:
+    if _hub_id(dataset) and not (offline_env() or is_true(os.environ.get("HF_DATASETS_OFFLINE"))):
+        try:  # offline, datasets reads its cache instead
             HfApi().dataset_info(dataset, timeout=20)
         except RepositoryNotFoundError:  # data.load_any names it with the offline hint
             pass

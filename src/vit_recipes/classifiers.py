@@ -1,7 +1,5 @@
 """Which transformers class classifies images for a config: what the script builds, sizes and counts FLOPs of."""
 
-from __future__ import annotations
-
 
 def classifier_class(config):
     """The image-classification class transformers builds for `config` (KeyError when none). Of several (DeiT: with

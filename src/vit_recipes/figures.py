@@ -1,7 +1,5 @@
 """A run's figures, drawn by a child process while the GPU evaluates (in-process or in a thread, they cost seconds)."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

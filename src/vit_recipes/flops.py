@@ -1,7 +1,5 @@
 """FLOPs of a training image, counted by torch on the meta device, and the peak rates MFU is measured against."""
 
-from __future__ import annotations
-
 import functools
 import json
 

@@ -1,7 +1,5 @@
 """One image to the uint8 CHW array the DataLoader delivers, as RGB the way transformers' `convert_to_rgb` makes it."""
 
-from __future__ import annotations
-
 import io
 
 import numpy as np

@@ -1,7 +1,5 @@
 """The process around a run: how many processes were launched, DeepSpeed's CPU buffers, and a clean shutdown."""
 
-from __future__ import annotations
-
 import atexit
 import contextlib
 import glob
@@ -53,8 +51,7 @@ def check_processes(use_cpu: bool) -> None:
 
 def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:
     """Delete (and return) DeepSpeed CPU all-reduce buffers left by killed ranks: unmapped, older than `min_age_s`."""
-    buffers = glob.glob(f"{SHM_BUFFER_PREFIX}*")
-    if not buffers:
+    if not (buffers := glob.glob(f"{SHM_BUFFER_PREFIX}*")):
         return []
     mapped: set[str] = set()
     for maps in glob.glob("/proc/[0-9]*/maps"):

@@ -91,8 +91,7 @@ class WeightAverage(TrainerCallback):
         save_file(self.average, os.path.join(folder, EMA_FILE))
 
     def load(self, folder: str, model: nn.Module) -> None:
-        path = os.path.join(folder, EMA_FILE)
-        if not os.path.isfile(path):
+        if not os.path.isfile(path := os.path.join(folder, EMA_FILE)):
             logger.warning("%s has no %s: the weight average restarts from its weights", folder, EMA_FILE)
             return
         self.average = load_file(path, device=str(next(iter(self._params(model).values())).device))

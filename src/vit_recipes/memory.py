@@ -1,8 +1,6 @@
 """Memory per GPU of each strategy (`estimate`) and host memory for offload, from the config alone (meta device).
 tools/advise.py prints the table (its docstring gives the formulas); plan.py and checks.py read it."""
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass
 
@@ -16,6 +14,10 @@ from .strategies import STRATEGIES, StrategySpec
 logger = logging.get_logger(__name__)  # transformers': it has warning_once
 GIB = 2**30
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for host memory, also used for FSDP2's offload
+# Shipped configs that autocast over fp32 weights (tests check ds_configs/); offload ones: bf16 mode, 16-bit weights
+AUTOCAST = ("zero1", "zero2", "zero3", "zeropp")
+# Simplest/fastest first: communication grows down the list, offload trades GPU memory for host bandwidth.
+PREFERENCE = ("ddp", "zero1", "zero2", "fsdp2", "zero3", "zeropp", "zero2_offload", "fsdp2_offload", "zero3_offload")
 
 
 def gib(size: float) -> str:
@@ -174,16 +176,11 @@ def activation_bytes(
     """Activations kept for the backward pass on one GPU, in bytes (see the module docstring)."""
     e = 4 if precision == "fp32" else 2
     b, s, h, i, a = batch, shape.tokens, shape.hidden, shape.intermediate, shape.heads
-    attention_term = 4 * b * a * s if attention == "sdpa" else b * a * s * s * e
-    per_layer = s * b * (8 * h + 2 * i) * e + attention_term
+    per_layer = s * b * (8 * h + 2 * i) * e + (4 * b * a * s if attention == "sdpa" else b * a * s * s * e)
     once = b * shape.channels * shape.image_size**2 * e + s * b * h * e + b * (h + 2 * shape.num_labels) * 4
     if checkpointing:
         return shape.layers * s * b * h * e + per_layer + once
     return shape.layers * per_layer + once
-
-
-# Shipped configs that autocast over fp32 weights (tests check ds_configs/); offload ones: bf16 mode, 16-bit weights
-AUTOCAST = ("zero1", "zero2", "zero3", "zeropp")
 
 
 def model_states(key: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: str = "bf16"):
@@ -247,14 +244,9 @@ def estimate(
     """Every multi-process strategy's (or those in `keys`) memory per GPU for `shape` at per-device `batch`."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise RecipeError(f"--gpus {gpus} must be a positive multiple of --nodes {nodes}")
-    per_node = gpus // nodes
     act, act_ckpt = (activation_bytes(shape, batch, precision, ckpt, attention) for ckpt in (False, True))
     out = []
     for spec in (s for s in STRATEGIES if s.name != "single" and (not keys or s.name in keys)):  # multi-process rows
-        params, grads, optimizer, host = model_states(spec.name, shape, per_node, nodes, precision)
+        params, grads, optimizer, host = model_states(spec.name, shape, gpus // nodes, nodes, precision)
         out.append(Estimate(spec, params, grads, optimizer, act, act_ckpt, host, overhead_gib * GIB))
     return out
-
-
-# Simplest/fastest first: communication grows down the list, offload trades GPU memory for host bandwidth.
-PREFERENCE = ("ddp", "zero1", "zero2", "fsdp2", "zero3", "zeropp", "zero2_offload", "fsdp2_offload", "zero3_offload")

@@ -267,9 +267,8 @@ def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", c
         files = [resolve(shard) for shard in shards]
     if not files or not all(files) or type(config) not in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
         return None  # .bin checkpoints (or no classifier for this config): leave them to transformers
-    model_class = classifier_class(config)
     with init_empty_weights():
-        expected = {k: tuple(v.shape) for k, v in model_class(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in classifier_class(config)(config).state_dict().items()}
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     state_dict, dropped = {}, []
     for file in files:

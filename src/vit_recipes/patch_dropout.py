@@ -1,7 +1,5 @@
 """`--patch_dropout RATE` (timm's `patch_drop_rate`): training keeps [CLS] and a fixed count of random patch tokens."""
 
-from __future__ import annotations
-
 import logging
 
 import torch

@@ -1,7 +1,5 @@
 """The patch-embedding Conv2d as one matmul (faster on GPUs); its parameters and state-dict keys stay the same."""
 
-from __future__ import annotations
-
 import logging
 
 import torch

@@ -1,7 +1,5 @@
 """The run's strategy, precision, batch, device and output dir: derived once (`build_plan`), applied (`configure`)."""
 
-from __future__ import annotations
-
 import base64
 import contextlib
 import json
@@ -24,6 +22,12 @@ from .run_dir import OutputState, lock_output_dir, remove_checkpoints, resolve_o
 
 logger = logging.getLogger(__name__)
 OFFLOADS = ("offload_optimizer", "offload_param")  # DeepSpeed's zero_optimization sections
+# The estimate ran up to 15% under measured peaks (ViT-H, DDP): a batch fits within this share of memory.
+FITS_WITHIN = 0.8
+# A regional compile costs what ~1000 steps save cold, ~400 warm (docs/benchmarks.md, "When compilation pays").
+COMPILE_PAYS_AFTER_STEPS = 1000
+COMPILE_PAYS_AFTER_STEPS_WARM = 400
+COMPILED_RECORD = "vit_recipes_compiled.json"  # in the compile cache: the runs whose artifacts it holds
 
 
 def load_deepspeed_config(value) -> tuple[dict, str]:
@@ -85,8 +89,7 @@ def read_strategy(training_args) -> Strategy:
         deepspeed, source = load_deepspeed_config(training_args.deepspeed)
     elif is_true(env.get("ACCELERATE_USE_DEEPSPEED")):
         from_accelerate = True
-        file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-        if file and file.lower() != "none":
+        if (file := env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")) and file.lower() != "none":
             deepspeed, source = load_deepspeed_config(file)
         else:  # an accelerate YAML with inline deepspeed_config fields
             stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
@@ -195,10 +198,6 @@ def build_plan(args: RunArguments) -> RunPlan:
     return plan
 
 
-# The estimate ran up to 15% under measured peaks (ViT-H, DDP): a batch fits within this share of memory.
-FITS_WITHIN = 0.8
-
-
 def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Strategy:
     """Checkpointing, where unset, on only if the batch won't fit without it; one line if a lighter strategy fits."""
     import torch
@@ -266,12 +265,6 @@ def eager_if_compile_fails() -> None:
     dynamo_log.addFilter(one_line)
 
 
-# A regional compile costs what ~1000 steps save cold, ~400 warm (docs/benchmarks.md, "When compilation pays").
-COMPILE_PAYS_AFTER_STEPS = 1000
-COMPILE_PAYS_AFTER_STEPS_WARM = 400
-COMPILED_RECORD = "vit_recipes_compiled.json"  # in the compile cache: the runs whose artifacts it holds
-
-
 def planned_steps(t, train_images: int, global_batch: int) -> int:
     """Optimizer steps the run will take (drop_last, as compiled runs drop each epoch's short batch)."""
     return t.max_steps if t.max_steps > 0 else math.ceil(t.num_train_epochs * max(1, train_images // global_batch))
@@ -329,9 +322,8 @@ def _compiled_keys() -> dict:
 
 def was_compiled(plan: RunPlan, key: str) -> bool:
     """Whether the compile cache holds this key's artifacts; one machine only, where all processes read one file."""
-    single_node = plan.strategy.world_size == plan.strategy.processes_per_node
     disabled = is_true(os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES"))
-    return single_node and not disabled and key in _compiled_keys()
+    return plan.strategy.world_size == plan.strategy.processes_per_node and not disabled and key in _compiled_keys()
 
 
 def remember_compiled(key: str | None) -> None:

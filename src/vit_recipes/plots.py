@@ -1,7 +1,5 @@
 """PNG plots of `trainer.state.log_history`: training curves, validation metrics, throughput and memory."""
 
-from __future__ import annotations
-
 import math
 import os
 import re
@@ -19,7 +17,7 @@ def _series(history: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [e["step"] for e in kept], [e[key] for e in kept]
 
 
-def figure_grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple[Figure, list]:
+def figure_grid(panels: int, width: float = 5.0, height: float = 3.4) -> tuple["Figure", list]:
     """A bare Agg Figure, `panels` axes 3 a row; no pyplot state: it needs no display and disturbs no session."""
     cols = min(3, panels)
     rows = math.ceil(panels / cols)
@@ -76,7 +74,7 @@ def _finish(ax, title: str, ylabel: str, legend: bool = False) -> None:
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
 
 
-def save_png(fig: Figure, path: str) -> str:
+def save_png(fig: "Figure", path: str) -> str:
     fig.tight_layout()
     fig.set_layout_engine(None)  # laid out: savefig would otherwise lay it out again in a dry-run draw
     fig.savefig(path, pil_kwargs={"compress_level": 1})  # the run's end waits: PIL's default 6 took 3x as long

@@ -21,8 +21,7 @@ def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: i
     for name, ids in (("labels", labels), ("predictions", predictions)):
         if ids.size and (ids.min() < 0 or ids.max() >= num_classes):
             raise ValueError(f"{name} must be class ids in [0, {num_classes}), got {ids.min()}..{ids.max()}.")
-    flat = np.bincount(labels * num_classes + predictions, minlength=num_classes * num_classes)
-    return flat.reshape(num_classes, num_classes)
+    return np.bincount(labels * num_classes + predictions, minlength=num_classes**2).reshape(num_classes, num_classes)
 
 
 def per_class_accuracy(labels: np.ndarray, predictions: np.ndarray, label_names: list[str]) -> list[dict]:

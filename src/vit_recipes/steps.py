@@ -158,8 +158,7 @@ def save_model_files(trainer, args: RunArguments, splits: ImageSplits, image_siz
     """Image processor (the evaluation preprocessing, for pipeline()), config and label names next to the model."""
     if not trainer.is_world_process_zero():
         return
-    output_dir = trainer.args.output_dir
-    crop, config = args.augment.eval_crop_pct, trainer.model.config
+    output_dir, crop, config = trainer.args.output_dir, args.augment.eval_crop_pct, trainer.model.config
     evaluation_processor(image_size, crop, mean, std).save_pretrained(output_dir)
     if isinstance(getattr(config, "pretrained_cfg", None), dict):  # timm: pipeline() preprocesses as it says
         config.pretrained_cfg = {k: v for k, v in config.pretrained_cfg.items() if not k.startswith("test_")} | dict(
@@ -175,7 +174,12 @@ def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
     for name, split in (("eval", splits.validation), ("test", splits.test)):
         if split is None:
             continue
-        metrics = evaluated_at_the_end(trainer) if name == "eval" and splits.test is not None else None
+        metrics = None
+        if name == "eval" and splits.test is not None:  # an evaluation at the last step, model unchanged since
+            state, t = trainer.state, trainer.args  # (no EMA, no best)
+            end = next((entry for entry in reversed(state.log_history) if "eval_loss" in entry), {})
+            if end.get("step") == state.global_step and trainer.ema is None and not t.load_best_model_at_end:
+                metrics = {k: v for k, v in end.items() if k.startswith("eval_")}
         if not metrics:  # else the reports come from test: no second pass over validation
             output = trainer.predict(split, metric_key_prefix=name)
             metrics, last = output.metrics, ("test" if name == "test" else "validation", output)
@@ -183,15 +187,6 @@ def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
         trainer.save_metrics(name, metrics)
         results.update(metrics)
     return results, last
-
-
-def evaluated_at_the_end(trainer) -> dict | None:
-    """Metrics of an evaluation at the last step if the model is unchanged since (no EMA, no best), else None."""
-    state, t = trainer.state, trainer.args
-    last = next((entry for entry in reversed(state.log_history) if "eval_loss" in entry), None)
-    if last is None or last.get("step") != state.global_step or trainer.ema is not None or t.load_best_model_at_end:
-        return None
-    return {k: v for k, v in last.items() if k.startswith("eval_")}
 
 
 def start_figures(trainer, plots: bool) -> FigureProcess | None:
@@ -213,9 +208,8 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, f
     if predictions and trainer.is_world_process_zero():
         split, output = predictions
         logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
-        names, threshold, draw = splits.label_names, trainer.threshold, figures and figures.confusion_matrix
-        reports = write_reports(logits, output.label_ids, names, trainer.args.output_dir, split, threshold=threshold,
-                                draw=draw)  # fmt: skip
+        reports = write_reports(logits, output.label_ids, splits.label_names, trainer.args.output_dir, split,
+                                threshold=trainer.threshold, draw=figures and figures.confusion_matrix)  # fmt: skip
     if figures is not None:
         figures.finish()
     return reports

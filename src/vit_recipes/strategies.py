@@ -1,7 +1,5 @@
 """The one table of distributed strategies, whose names all code and docs use. Pure data: it imports nothing."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 

@@ -1,8 +1,6 @@
 """Where a run's wall-clock time goes, phase by phase from the process's start (imports included): one line at the
 end, and `time_<phase>_s` in all_results.json."""
 
-from __future__ import annotations
-
 import logging
 import os
 import time

@@ -1,7 +1,5 @@
 """A Trainer whose batches arrive as uint8 and are augmented on the training device."""
 
-from __future__ import annotations
-
 import functools
 import logging
 import os
@@ -240,10 +238,9 @@ class ImageClassificationTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         model = model if model is not None else self.model
         # transformers 5.2x resumes with a raw load_state_dict that skips renamed ViT keys: from_pretrained converts.
-        weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(model, PreTrainedModel)
         try:
-            if not (plain and os.path.isfile(weights)):
+            if not (plain and os.path.isfile(os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME))):
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)
             loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
             model.load_state_dict(loaded.state_dict(), strict=True)

@@ -47,10 +47,8 @@ def sample_crop_flip_theta(
         first = fits.int().argmax(1, keepdim=True)  # argmax returns the first maximal index
         found = fits.any(1)
         (low, high), aspect = CROP_RATIO, width / height  # fallback: the whole image, trimmed to CROP_RATIO
-        fallback_w = height * high if aspect > high else float(width)
-        fallback_h = width / low if aspect < low else float(height)
-        w = torch.where(found, w_try.gather(1, first).squeeze(1), fallback_w)
-        h = torch.where(found, h_try.gather(1, first).squeeze(1), fallback_h)
+        w = torch.where(found, w_try.gather(1, first).squeeze(1), height * high if aspect > high else float(width))
+        h = torch.where(found, h_try.gather(1, first).squeeze(1), width / low if aspect < low else float(height))
         x0 = (width - w) * torch.where(found, u_x, 0.5)
         y0 = (height - h) * torch.where(found, u_y, 0.5)
     sign = torch.where(u_flip < hflip_prob, -1.0, 1.0)
@@ -93,17 +91,15 @@ def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
 
 
 def _grayscale(x: Tensor) -> Tensor:
-    weights = torch.tensor(GRAY_WEIGHTS, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    return (x * weights).sum(1, keepdim=True)
+    return (x * torch.tensor(GRAY_WEIGHTS, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
 
 
 def sharpness(x: Tensor, m: Tensor) -> Tensor:
     """Blend with PIL's SMOOTH-filtered image; the 1-pixel border keeps the original (as PIL and torchvision)."""
     n, c, h, w = x.shape
     kernel = torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]], dtype=x.dtype, device=x.device) / 13
-    smooth = F.conv2d(x.reshape(n * c, 1, h, w), kernel.view(1, 1, 3, 3)).view(n, c, h - 2, w - 2)
     degenerate = x.clone()
-    degenerate[..., 1:-1, 1:-1] = smooth
+    degenerate[..., 1:-1, 1:-1] = F.conv2d(x.reshape(n * c, 1, h, w), kernel.view(1, 1, 3, 3)).view(n, c, h - 2, w - 2)
     return _blend(x, degenerate, 1 + m)
 
 
@@ -197,8 +193,7 @@ class RandomOps(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         for _ in range(self.num_ops):
-            op_ids, magnitudes = self.sample(x.shape[0], x.device)
-            x = apply_per_sample_ops(x, op_ids, magnitudes, self.names)
+            x = apply_per_sample_ops(x, *self.sample(x.shape[0], x.device), self.names)
         return x
 
     def sample(self, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -274,8 +269,7 @@ class EvalTransform(_Normalized):
                 x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
                 x = x.clamp(0, 255).round()
         top, left = (height - self.image_size) // 2, (width - self.image_size) // 2  # transformers' center_crop
-        x = x[..., top : top + self.image_size, left : left + self.image_size]
-        return self.normalize(x)
+        return self.normalize(x[..., top : top + self.image_size, left : left + self.image_size])
 
 
 def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransform, EvalTransform]:
