@@ -4,6 +4,7 @@ import os
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import datasets
 import numpy as np
@@ -275,12 +276,19 @@ def test_corrupt_images_are_skipped_counted_and_reported(tmp_path):
         },
         features=Features({"image": Image(decode=False), "labels": ClassLabel(names=["a", "b"])}),
     )
-    splits = data_module.ImageSplits(split, None, None, "image", ["a", "b"], "ClassLabel")
-    decoded = decode_splits(splits, image_size=8)
-    unreadable = [{"row": row, "image": None, "problem": "unreadable"} for row in (1, 3)]
-    assert len(decoded.train) == 2 and decoded.skipped == {"train": unreadable}
+    validation, test = split.select([3, 2, 1, 0]), split.select([2, 3])  # indices mappings, as a carved split has
+    splits = data_module.ImageSplits(split, validation, test, "image", ["a", "b"], "ClassLabel")
+    with mock.patch.object(Dataset, "map", autospec=True, side_effect=Dataset.map) as passes:
+        decoded = decode_splits(splits, image_size=8)
+    assert passes.call_count == 2  # train; validation and test together (one pool of processes to start)
+    unreadable = {
+        name: [{"row": row, "image": None, "problem": "unreadable"} for row in rows]
+        for name, rows in (("train", (1, 3)), ("validation", (0, 2)), ("test", (1,)))
+    }
+    assert (len(decoded.train), len(decoded.validation), decoded.test["labels"]) == (2, 2, [0])
+    assert decoded.skipped == unreadable and decoded.validation["pixels"] == decoded.train["pixels"]
     data_module.write_skipped(decoded, str(tmp_path))
-    assert json.loads((tmp_path / "skipped_images.json").read_text()) == {"train": unreadable}
+    assert json.loads((tmp_path / "skipped_images.json").read_text()) == unreadable
     broken = split.select([1, 3])
     with pytest.raises(
         RecipeError, match=r"every image in split 'train' is missing, corrupt or unreadable, e.g. row 0"

@@ -20,7 +20,7 @@ from .data import (
     StorageFormat,
     balanced_sample_weights,
     balanced_weights,
-    decode_split,
+    decode_datasets,
     labels_of_model,
     load_image_folder,
     load_splits,
@@ -223,7 +223,8 @@ def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> 
     else:
         storage = storage_format(images, "image", image_size, data_args.storage_size)
     trainer.data_collator = PixelCollator(storage.shape)
-    decoded, skipped = decode_split(images, "image", storage, data_args.preprocessing_num_workers, "predict", [])
+    decoded, skipped = decode_datasets({"predict": images}, "image", storage, data_args.preprocessing_num_workers, [])
+    decoded, skipped = decoded["predict"], skipped["predict"]
     logits = trainer.predict(decoded.remove_columns("file")).predictions
     logits = logits[0] if isinstance(logits, tuple) else logits
     if not trainer.is_world_process_zero():
