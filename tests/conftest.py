@@ -52,6 +52,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # The training seed of the tests that compare how well runs learn. Their margins were measured over seeds 42 and 43
 # and several OMP_NUM_THREADS; `VIT_TEST_SEED=43 make test` checks another seed (docs/development.md).
 TRAIN_SEED = os.environ.get("VIT_TEST_SEED", "42")
+METRIC_PATH = str(ROOT / "src" / "vit_recipes" / "metric" / "classification")  # a folder with classification.py
+
+
+def load_metric(multi_label: bool = False):
+    """The repo's evaluate module, loaded by path as a user would (no Hub), in memory (no Arrow cache files)."""
+    import evaluate
+
+    return evaluate.load(METRIC_PATH, "multilabel" if multi_label else None, keep_in_memory=True)
+
+
 sys.path.insert(0, str(ROOT))  # run_image_classification.py lives at the top level
 
 

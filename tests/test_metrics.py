@@ -6,10 +6,11 @@ import evaluate
 import huggingface_hub
 import numpy as np
 import pytest
+from conftest import METRIC_PATH, load_metric
 from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score, top_k_accuracy_score
 from transformers import EvalPrediction
 
-from vit_recipes.metrics import METRIC_PATH, load_metric, make_compute_metrics
+from vit_recipes.metrics import make_compute_metrics
 
 EXACT = {"abs": 1e-9, "rel": 0}
 
@@ -98,8 +99,9 @@ def test_rejects_out_of_range_references(metric, references):
 def test_make_compute_metrics(metric, as_tuple):
     logits, labels = hard_case(3, 100, 300)
     predictions = (logits, np.zeros((300, 4, 8))) if as_tuple else logits
-    result = make_compute_metrics(metric)(EvalPrediction(predictions=predictions, label_ids=labels))
+    result = make_compute_metrics()(EvalPrediction(predictions=predictions, label_ids=labels))
     assert result == pytest.approx(sklearn_scores(logits, labels, 5), **EXACT)
+    assert result == metric.compute(predictions=logits, references=labels)  # a run's scores are the module's
 
 
 @pytest.mark.parametrize("offline", [True, False])
@@ -116,13 +118,12 @@ def test_loads_by_path_without_network(monkeypatch, offline):
     monkeypatch.setattr(socket, "create_connection", no_network)
     metric = load_metric()
     assert metric.name == "classification"
-    compute_metrics = make_compute_metrics()
-    result = compute_metrics(EvalPrediction(predictions=np.eye(3, dtype=np.float32), label_ids=np.array([0, 1, 1])))
+    result = metric.compute(predictions=np.eye(3, dtype=np.float32), references=np.array([0, 1, 1]))
     assert result["accuracy"] == pytest.approx(2 / 3)
 
 
-def test_top5_is_left_out_with_five_classes_or_fewer(metric):
-    compute = make_compute_metrics(metric)
+def test_top5_is_left_out_with_five_classes_or_fewer():
+    compute = make_compute_metrics()
     few = compute(EvalPrediction(predictions=np.eye(4, dtype=np.float32), label_ids=np.array([0, 1, 2, 2])))
     assert "top5_accuracy" not in few and few["accuracy"] == 0.75
     many = compute(EvalPrediction(predictions=np.eye(6, dtype=np.float32), label_ids=np.arange(6)))

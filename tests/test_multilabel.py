@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FAST_ARGS, TRAIN_SEED, run_args, save_tiny_vit
+from conftest import FAST_ARGS, TRAIN_SEED, load_metric, run_args, save_tiny_vit
 from datasets import ClassLabel, Dataset, Features, Image, Sequence
 from PIL import Image as PILImage
 from sklearn.metrics import accuracy_score, average_precision_score, f1_score
+from transformers import EvalPrediction
 
 from vit_recipes import transforms as T
 from vit_recipes.data import ImageSplits, PixelCollator, balanced_weights, decode_splits, load_splits
 from vit_recipes.errors import RecipeError
-from vit_recipes.metrics import load_metric
+from vit_recipes.metrics import make_compute_metrics
 from vit_recipes.reports import write_reports
 from vit_recipes.trainer import ImageClassificationTrainer
 
@@ -173,6 +174,8 @@ def test_metrics_and_per_class_report_match_sklearn(seed, tmp_path):
         }
         per_class_f1 = f1_score(truth, predicted, average=None, zero_division=0)
     assert result == pytest.approx(expected, abs=1e-9)
+    run = make_compute_metrics(multi_label=True, threshold=0.6)(EvalPrediction(predictions=logits, label_ids=truth))
+    assert run == result  # a run scores with the module's arithmetic
     out = write_reports(logits, truth, [f"c{i}" for i in range(8)], str(tmp_path), split="test", threshold=0.6)
     assert "confusion_matrix" not in out and out["per_class_csv"].endswith("per_class_results_test.csv")
     with open(out["per_class_csv"]) as f:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .metric.classification.scores import _safe_divide, average_precision  # the metric's own, not copies
 from .plots import figure_grid, save_png
 
 CSV_FIELDS = ("class_id", "label", "support", "correct", "accuracy")
@@ -88,8 +89,6 @@ def tick_names(names: list[str], ids) -> tuple[list[str], str | None]:
 
 def per_class_multi_label(logits: np.ndarray, targets: np.ndarray, label_names: list[str], threshold: float) -> list:
     """Per class: AP (None without a positive), precision, recall, F1 of `sigmoid >= threshold` (zero_division=0)."""
-    from .metric.classification.classification import _safe_divide, average_precision  # the metric's own, not copies
-
     truth, predicted = targets > 0.5, logits >= np.log(threshold / (1 - threshold))
     tp, support, flagged = (predicted & truth).sum(0), truth.sum(0), predicted.sum(0)
     ap = np.nan_to_num(average_precision(logits, truth))  # NaN without a positive: that row's AP becomes None below

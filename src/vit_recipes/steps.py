@@ -102,7 +102,7 @@ def build_trainer(
         trainer = ImageClassificationTrainer(
             model=model, args=training, train_dataset=splits.train, eval_dataset=splits.validation,
             data_collator=PixelCollator(splits.storage_shape),  # predicting alone: set by predict_folder
-            compute_metrics=make_compute_metrics(None, splits.multi_label, args.data.multi_label_threshold),
+            compute_metrics=make_compute_metrics(splits.multi_label, args.data.multi_label_threshold),
             train_transform=train_transform, eval_transform=eval_transform,
             mixup=build_mixup(args.augment, len(splits.label_names), training.label_smoothing_factor),
             class_weights=weights, sample_weights=sample_weights,
