@@ -32,17 +32,31 @@ def package_imports(path: Path) -> set[str]:
 
 def test_every_module_has_a_layer_and_imports_only_lower_ones():
     layer = {name: i for i, names in enumerate(LAYERS) for name in names}
-    modules = {p.stem: p for p in PACKAGE.glob("*.py")} | {
-        "metric": PACKAGE / "metric/classification/classification.py"
+    modules = {p.stem: [p] for p in PACKAGE.glob("*.py")} | {
+        "metric": list(PACKAGE.glob("metric/classification/*.py"))
     }
     assert set(modules) == set(layer), "docs/architecture.md and LAYERS must name every module"
     upward = [
         f"{name} (layer {layer[name]}) imports {other} (layer {layer[other]})"
-        for name, path in modules.items()
-        for other in package_imports(path)
+        for name, paths in modules.items()
+        for other in set().union(*map(package_imports, paths)) - {"scores"}  # the metric's own sibling
         if layer[other] >= layer[name]
     ]
     assert not upward, upward
+
+
+def test_a_run_does_not_import_evaluate():
+    """A run scores with the metric's numpy arithmetic (metrics.py): evaluate's import and its Arrow copy of the logits
+    cost over a second a run. Only the evaluate module itself, which users load by path, imports it."""
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(n.split(".")[0] == "evaluate" or n.endswith("classification.classification") for n in names):
+                importers.append(path.relative_to(PACKAGE).as_posix())
+    assert importers == ["metric/classification/classification.py"]
 
 
 def test_arguments_import_nothing_of_ours_but_errors():
@@ -65,3 +79,19 @@ def test_every_row_of_the_reliability_table_names_a_test_that_exists():
         if name not in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}:
             missing.append(f"{path}::{name}")
     assert not missing, missing
+
+
+def test_unwrapping_a_model_does_not_import_deepspeed(monkeypatch):
+    """accelerate's unwrap, which the Trainer calls, imports DeepSpeed to check for its engine (0.5 s of each run):
+    vit_recipes.trainer makes it check only once deepspeed is imported, as no engine exists before."""
+    import sys
+
+    import torch
+    from accelerate.utils import extract_model_from_parallel
+
+    import vit_recipes.trainer  # noqa: F401  where the check is replaced
+
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+        monkeypatch.delitem(sys.modules, name)
+    model = torch.nn.Linear(2, 2)
+    assert extract_model_from_parallel(model) is model and "deepspeed" not in sys.modules
