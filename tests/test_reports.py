@@ -142,7 +142,8 @@ def test_the_figure_process_draws_what_the_run_would_and_reports_its_failure(tmp
     here, child = tmp_path / "here", tmp_path / "child"
     write_plots(history, str(here), 0.1)
     plot_confusion_matrix(matrix, ["cat", "dog"], str(here / "cm.png"), "t")
-    figures = FigureProcess(history, str(child), 0.1)
+    figures = FigureProcess()  # started before the history exists, as a run starts it with training
+    figures.plots(history, str(child), 0.1)
     # A process forked now (as DataLoader workers are, by the evaluation) holds the pipe's write end open
     forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
     forked.start()
@@ -156,7 +157,8 @@ def test_the_figure_process_draws_what_the_run_would_and_reports_its_failure(tmp
     assert drawn == sorted(p.name for p in child.iterdir()) and "training_curves.png" in drawn
     assert all((here / name).read_bytes() == (child / name).read_bytes() for name in drawn)
     (tmp_path / "a-file").write_text("")
-    broken = FigureProcess(history, str(tmp_path / "a-file"), 0.1)  # a file where the output folder should be
+    broken = FigureProcess()
+    broken.plots(history, str(tmp_path / "a-file"), 0.1)  # a file where the output folder should be
     with pytest.raises(RuntimeError, match=r"drawing the run's figures failed: .*Error"):
         broken.finish()
 
@@ -172,10 +174,11 @@ def test_without_a_process_for_the_figures_the_plots_are_drawn_in_the_run(tmp_pa
     monkeypatch.setattr(steps, "FigureProcess", no_process)
     history = [{"loss": 1.0, "learning_rate": 1e-3, "step": s, "epoch": s / 4} for s in range(1, 5)]
     trainer = SimpleNamespace(
-        is_world_process_zero=lambda: True, state=SimpleNamespace(log_history=history),
+        is_world_process_zero=lambda: True, state=SimpleNamespace(log_history=history), figures=None,
         args=SimpleNamespace(output_dir=str(tmp_path), label_smoothing_factor=0.0),
     )  # fmt: skip
     with caplog.at_level("WARNING"):
+        steps.open_figures(trainer, wanted=True)
         assert steps.start_figures(trainer, plots=True) is None
     assert (tmp_path / "training_curves.png").is_file()
     assert "The plots are drawn in this process (no child process for them: fork: resource" in caplog.text

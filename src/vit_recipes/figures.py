@@ -1,4 +1,5 @@
-"""A run's figures, drawn by a child process while the GPU evaluates (in-process or in a thread, they cost seconds)."""
+"""A run's figures, drawn by a child process while the GPU evaluates (in-process or in a thread, they cost seconds). It
+starts with training and imports matplotlib then, so that only the drawing is left at the end."""
 
 import contextlib
 import json
@@ -17,7 +18,7 @@ from .reports import plot_confusion_matrix
 class FigureProcess:
     """`python -m vit_recipes.figures`, fed one JSON line per figure on its stdin; `finish` waits for them all."""
 
-    def __init__(self, history: list[dict], output_dir: str, label_smoothing: float):
+    def __init__(self):
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read in finish(), closed with the object
         package_root = str(Path(__file__).resolve().parents[1])  # importable there however this process found it
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
@@ -25,6 +26,9 @@ class FigureProcess:
             [sys.executable, "-m", "vit_recipes.figures"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=self._stderr, text=True, env={**os.environ, "PYTHONPATH": path},
         )  # fmt: skip
+
+    def plots(self, history: list[dict], output_dir: str, label_smoothing: float) -> None:
+        """`plots.write_plots`, drawn by the child."""
         self._send({"history": history, "output_dir": output_dir, "label_smoothing": label_smoothing})
 
     def confusion_matrix(self, matrix, label_names: list[str], path: str, title: str = "") -> str:
@@ -51,6 +55,10 @@ class FigureProcess:
 
 
 def main() -> None:
+    from matplotlib import font_manager
+    from matplotlib.backends import backend_agg  # noqa: F401  imported while the run trains, not when it waits
+
+    font_manager.findfont(font_manager.FontProperties())  # the font list, loaded once per process
     for line in sys.stdin:
         message = json.loads(line)
         if "done" in message:

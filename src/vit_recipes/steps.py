@@ -125,7 +125,17 @@ def build_trainer(
             logger.info("No MFU: counting this model's FLOPs failed (%s)", first_line(err, 200))
     meter = SpeedMeter(plan.global_batch, flops, peak * plan.strategy.world_size if peak else None)
     attach_observability(trainer, args.observe, meter)
+    open_figures(trainer, args.observe.plots and (training.do_train or training.do_eval))
     return trainer, meter
+
+
+def open_figures(trainer, wanted: bool) -> None:
+    """On rank 0, `trainer.figures`: the child process that draws the run's figures (figures.py), started now."""
+    if wanted and trainer.is_world_process_zero():
+        try:
+            trainer.figures = FigureProcess()
+        except OSError as err:  # no process to start: start_figures draws the plots in this one
+            logger.warning("The plots are drawn in this process (no child process for them: %s)", first_line(err))
 
 
 def train(trainer, plan: RunPlan, splits: ImageSplits, finetune: FinetuneSetup, meter: SpeedMeter,
@@ -190,20 +200,17 @@ def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
 
 
 def start_figures(trainer, plots: bool) -> FigureProcess | None:
-    """On rank 0, a child process drawing the plots while the GPU evaluates (figures.py); None with nothing to plot."""
-    if not (plots and trainer.is_world_process_zero() and trainer.state.log_history):
-        return None
-    t = trainer.args
-    try:
-        return FigureProcess(trainer.state.log_history, t.output_dir, t.label_smoothing_factor)
-    except OSError as err:  # no process to start: they are drawn here, before the evaluation
-        logger.warning("The plots are drawn in this process (no child process for them: %s)", first_line(err))
-        write_plots(trainer.state.log_history, t.output_dir, t.label_smoothing_factor)
-        return None
+    """The training plots, drawn by `trainer.figures` while the GPU evaluates (else here); returns that process."""
+    history, t = trainer.state.log_history, trainer.args
+    if trainer.figures is not None and history:
+        trainer.figures.plots(history, t.output_dir, t.label_smoothing_factor)
+    elif plots and history and trainer.is_world_process_zero():
+        write_plots(history, t.output_dir, t.label_smoothing_factor)
+    return trainer.figures
 
 
 def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, figures: FigureProcess | None) -> dict:
-    """reports.write_reports of the last evaluated split; then waits for `start_figures`'s process to finish."""
+    """reports.write_reports of the last evaluated split; then waits for the figure process to finish."""
     reports = {}
     if predictions and trainer.is_world_process_zero():
         split, output = predictions

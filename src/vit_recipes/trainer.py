@@ -62,6 +62,7 @@ class ImageClassificationTrainer(Trainer):
         self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
         self.mixup = mixup
         self.card = None  # card.CardInfo, set once the run's results are known
+        self.figures = None  # figures.FigureProcess on rank 0 (steps.open_figures)
         self._grad_norms: tuple = (0.0, 0)  # (sum, steps) since the last log: logged as their mean
         self.run_identity: dict = {}  # the plan's identity, recorded in every checkpoint (run_dir.py)
         self.threshold = 0.5  # multi-label: a class is predicted when its sigmoid reaches this (reports)
