@@ -319,7 +319,7 @@ def test_an_outlier_size_is_resized_to_the_common_one_and_counted(caplog):
     decoded = decode_splits(splits, image_size=8)
     assert decoded.storage_shape == (8, 8) and len(decoded.train) == 6
     assert decoded.notes == ["train: 1 image(s) not 8x8, the common size, resized to it"]
-    assert "Resized 1 train image(s) of another size to 8x8, the common size" in caplog.text
+    assert "train: 1 image(s) not 8x8, the common size, resized to it" in caplog.text
     outlier = np.frombuffer(decoded.train[5]["pixels"], np.uint8)
     assert outlier.size == 3 * 8 * 8 and (outlier == 200).all()  # the 1x1 image, upsampled: one colour
     assert decoded.train[0]["pixels"] == np.full((3, 8, 8), 0, np.uint8).tobytes()  # the others untouched

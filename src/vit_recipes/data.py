@@ -433,15 +433,13 @@ def decode_datasets(
     for name, dataset in parts.items():
         decoded = together.select(range(start, start + len(dataset)))
         problems, start = all_problems[start : start + len(dataset)], start + len(dataset)
-        resized = problems.count("resized")
-        if resized and storage.native:
+        if (resized := problems.count("resized")) and storage.native:
             notes.append(f"{name}: {resized} image(s) not {width}x{height}, the common size, resized to it")
-            logger.warning(
-                "Resized %d %s image(s) of another size to %dx%d, the common size", resized, name, width, height
-            )
+            logger.warning(notes[-1])
         bad = [i for i, problem in enumerate(problems) if problem not in ("", "resized")]
-        values = dataset.select(bad)[image_column] if bad else []
-        paths = [value.get("path") if isinstance(value, dict) else None for value in values]
+        paths = [
+            v.get("path") if isinstance(v, dict) else None for v in (dataset.select(bad)[image_column] if bad else [])
+        ]
         if lost := [{"row": row, "image": path, "problem": problems[row]} for row, path in zip(bad, paths)]:
             named = [f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in lost]
             more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""

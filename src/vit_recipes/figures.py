@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .plots import write_plots
+from .plots import figure_grid, write_plots
 from .reports import plot_confusion_matrix
 
 
@@ -55,10 +55,7 @@ class FigureProcess:
 
 
 def main() -> None:
-    from matplotlib import font_manager
-    from matplotlib.backends import backend_agg  # noqa: F401  imported while the run trains, not when it waits
-
-    font_manager.findfont(font_manager.FontProperties())  # the font list, loaded once per process
+    figure_grid(1)  # matplotlib imported while the run trains, not when it waits
     for line in sys.stdin:
         message = json.loads(line)
         if "done" in message:

@@ -29,13 +29,10 @@ from .transforms import smooth_targets
 logger = logging.getLogger(__name__)
 
 
-def _engine_possible(deepspeed_available=accelerate.utils.other.is_deepspeed_available) -> bool:
-    return "deepspeed" in sys.modules and deepspeed_available()
-
-
 # accelerate's unwrap, which the Trainer calls from __init__ on, imports DeepSpeed whenever it is installed only to
-# check for its engine: 0.5 s of every run without it, on a GPU machine. No engine exists before deepspeed's import.
-accelerate.utils.other.is_deepspeed_available = _engine_possible
+# check for its engine (0.5 s of a run without it, on a GPU machine): no engine exists before deepspeed's import.
+_deepspeed_installed = accelerate.utils.other.is_deepspeed_available
+accelerate.utils.other.is_deepspeed_available = lambda: "deepspeed" in sys.modules and _deepspeed_installed()
 
 
 class _NothingLeftToTrain(Exception):
