@@ -842,3 +842,16 @@ def test_wall_clock_times_whole_jobs_of_ours_and_the_peer(cifar_like, tiny_vit, 
     redraw = [sys.executable, str(BENCH / "wall_clock.py"), "--redraw", "--out", str(out)]
     assert subprocess.run(redraw, capture_output=True, cwd=ROOT, timeout=120).returncode == 0
     assert (out / "wall_clock.md").read_text() == table
+
+
+def test_decode_probe_times_each_split_at_each_process_count(cifar_like, tmp_path, monkeypatch):
+    """benchmarks/decode_probe.py: a cold decode (a new fingerprint) per split and count, the bytes a run stores."""
+    probe = load_module("decode_probe")
+    out = tmp_path / "decode.json"
+    monkeypatch.setattr(sys, "argv", ["decode_probe.py", str(cifar_like), "224", "1,2", str(out)])
+    probe.main()
+    rows = json.loads(out.read_text())
+    assert [(r["split"], r["images"], r["num_proc"]) for r in rows] == [
+        ("train", 400, 1), ("test", 100, 1), ("train", 400, 2), ("test", 100, 2)
+    ]  # fmt: skip
+    assert all(r["s"] > 0 and r["img_per_s"] > 0 for r in rows)
