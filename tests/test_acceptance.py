@@ -230,3 +230,13 @@ def test_the_compile_checks_read_the_line_after_the_log_prefix_and_the_card(acce
     rows = {r["check"]: r["status"] for r in acceptance.check(suite)}
     assert rows["the default command, short: eager, and one line says why"] == "FAIL"
     assert rows["--torch_compile_regions true: trains compiled (the card says so)"] == "FAIL"
+
+
+def test_a_passing_suite_drops_the_runs_checkpoints_and_keeps_what_its_chart_reads(acceptance, tmp_path):
+    for path in ("zero2/checkpoint-10/optimizer.pt", "zero2/checkpoint-20/model.safetensors", "lora/checkpoint-10/x",
+                 "zero2/trainer_state.json", "zero2/model.safetensors", "assets/checkpoint-1/weights"):  # fmt: skip
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(b"0" * 10)
+    assert acceptance.drop_checkpoints(tmp_path) == 30
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["assets/checkpoint-1/weights", "zero2/model.safetensors", "zero2/trainer_state.json"]
