@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The training seed of the tests that compare how well runs learn. Their margins were measured over seeds 42 and 43
 # and several OMP_NUM_THREADS; `VIT_TEST_SEED=43 make test` checks another seed (docs/development.md).
 TRAIN_SEED = os.environ.get("VIT_TEST_SEED", "42")
-METRIC_PATH = str(ROOT / "src" / "vit_recipes" / "metric" / "classification")  # a folder with classification.py
+METRIC_PATH = str(ROOT / "tools" / "classification")  # the evaluate module: a folder with classification.py
 
 
 def load_metric(multi_label: bool = False):
