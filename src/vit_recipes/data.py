@@ -437,9 +437,8 @@ def decode_datasets(
             notes.append(f"{name}: {resized} image(s) not {width}x{height}, the common size, resized to it")
             logger.warning(notes[-1])
         bad = [i for i, problem in enumerate(problems) if problem not in ("", "resized")]
-        paths = [
-            v.get("path") if isinstance(v, dict) else None for v in (dataset.select(bad)[image_column] if bad else [])
-        ]
+        values = dataset.select(bad)[image_column] if bad else []
+        paths = [value.get("path") if isinstance(value, dict) else None for value in values]
         if lost := [{"row": row, "image": path, "problem": problems[row]} for row, path in zip(bad, paths)]:
             named = [f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in lost]
             more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
@@ -462,8 +461,7 @@ def decode_splits(
     for group in (("train",), ("validation", "test")):
         if parts := {name: split for name, split in splits.present().items() if name in group}:
             done, lost = decode_datasets(parts, splits.image_column, storage, num_proc, notes)
-            decoded.update(done)
-            skipped.update(lost)
+            decoded, skipped = decoded | done, skipped | lost
     stored = dict(image_column=PIXELS, storage_shape=storage.shape, white=storage.white, notes=notes)
     return replace(splits, **decoded, **stored, skipped={name: rows for name, rows in skipped.items() if rows})
 

@@ -1,17 +1,11 @@
-"""The classification metric, numpy only: accuracy, top-k and macro F1/precision/recall, or mAP, micro/macro F1 and exact
-match for multi-label; and the Trainer's `compute_metrics` on it. tools/classification/ wraps the same arithmetic as an
-`evaluate` module. A run does not go through evaluate: its import (scipy, transformers' pipelines) and its Arrow copy
-of the logits cost 1.3 s of a ViT-B CIFAR-100 epoch's run on a GPU machine."""
-
-from __future__ import annotations
+"""The classification metric in numpy (accuracy, top-k, macro F1/precision/recall; multi-label: mAP, F1, exact match)
+and the Trainer's `compute_metrics` on it; tools/classification/ wraps it as an `evaluate` module. Runs skip evaluate:
+its import (scipy, transformers' pipelines) and Arrow copy of the logits cost 1.3 s of a ViT-B CIFAR-100 epoch's run.
+numpy only: reports, and the figure process through it, import this module."""
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:  # reports, and the figure process through it, import this module: no transformers there
-    from transformers import EvalPrediction
 
 
 def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
@@ -100,10 +94,10 @@ def classification_scores(
     }
 
 
-def make_compute_metrics(multi_label: bool = False, threshold: float = 0.5) -> Callable[[EvalPrediction], dict]:
-    """The Trainer's `compute_metrics`; multi-label: sigmoid >= threshold."""
+def make_compute_metrics(multi_label: bool = False, threshold: float = 0.5) -> Callable[..., dict]:
+    """The Trainer's `compute_metrics` (of a transformers EvalPrediction); multi-label: sigmoid >= threshold."""
 
-    def compute_metrics(eval_pred: EvalPrediction) -> dict[str, float]:
+    def compute_metrics(eval_pred) -> dict[str, float]:
         logits = eval_pred.predictions  # asked for hidden states or attentions: the logits come first
         logits = np.asarray(logits[0] if isinstance(logits, (tuple, list)) else logits)
         if multi_label:
