@@ -56,6 +56,28 @@ def test_a_run_does_not_import_evaluate():
     assert "import evaluate" in (ROOT / "tools" / "classification" / "classification.py").read_text()
 
 
+def test_arguments_import_nothing_of_ours_but_errors():
+    assert package_imports(PACKAGE / "arguments.py") == {"errors"}
+
+
+def test_every_row_of_the_reliability_table_names_a_test_that_exists():
+    """docs/reliability.md stays true: each row names its test ("the same test" repeats the row above's), and each
+    named `tests/<file>.py::<test>` is a test function in that file."""
+    import re
+
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    rows = [line for line in text.splitlines() if re.match(r"^\| \d+[a-z]? \|", line)]
+    assert len(rows) > 100
+    untested = [row[:80] for row in rows if "tests/" not in row.split("|")[-2] and "the same test" not in row]
+    assert not untested, untested
+    missing = []
+    for path, name in set(re.findall(r"`(tests/\w+\.py)::(\w+)", text)):
+        tree = ast.parse((ROOT / path).read_text()) if (ROOT / path).is_file() else ast.Module(body=[])
+        if name not in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}:
+            missing.append(f"{path}::{name}")
+    assert not missing, missing
+
+
 def test_unwrapping_a_model_does_not_import_deepspeed(monkeypatch):
     """accelerate's unwrap, which the Trainer calls, imports DeepSpeed to check for its engine (0.5 s of each run):
     vit_recipes.trainer makes it check only once deepspeed is imported, as no engine exists before."""
