@@ -19,7 +19,8 @@ import transformers
 from vit_recipes import launch
 from vit_recipes.arguments import parse_args
 from vit_recipes.checks import check_hub, check_model
-from vit_recipes.data import decode_splits, imbalance
+from vit_recipes.data import imbalance
+from vit_recipes.decoding import prepare_images, share_cores_with_workers
 from vit_recipes.errors import RecipeError
 from vit_recipes.fp8 import convert_to_fp8
 from vit_recipes.interrupt import RunInterrupted
@@ -74,10 +75,12 @@ def main(argv: list[str] | None = None) -> dict:
     mean, std = mean_std(args.model)
     timeline.mark("model")
 
-    # 5. Decode every image once to uint8 at storage size (cached on disk); the device does the rest.
+    # 5. Images to uint8 at one storage size: decoded once into a disk cache (small images), or per batch by the
+    #    DataLoader workers (photos: no copy); the log says which and why. The device does the rest.
     with training.main_process_first(desc="decoding images"):
         if splits.present():
-            splits = decode_splits(splits, image_size, args.data.storage_size, args.data.preprocessing_num_workers)
+            splits = prepare_images(splits, image_size, args.data)
+            share_cores_with_workers(training, splits)
     timeline.mark("decode")
 
     # 6. Trainer: regional compilation where it pays (steps known now, and a warm compile cache; so is a warm-up

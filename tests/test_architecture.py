@@ -11,9 +11,9 @@ LAYERS = [
     {"metrics", "classifiers", "plots", "timeline"},  # import nothing of the package
     {"errors", "strategies", "images", "transforms", "patch_embedding", "flops", "meter", "interrupt"}
     | {"reports", "__init__"},
-    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers", "figures"},
+    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers", "figures", "folder_index"},
     {"data", "memory", "lora"},
-    {"checks", "modeling", "card", "observability"},
+    {"checks", "modeling", "card", "observability", "decoding"},
     {"plan", "adapters"},
     {"trainer"},
     {"steps"},

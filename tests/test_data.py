@@ -14,7 +14,8 @@ from PIL import Image as PILImage
 
 from vit_recipes import data as data_module
 from vit_recipes.arguments import DataArguments
-from vit_recipes.data import PixelCollator, decode_splits, load_image_folder, load_splits, storage_format
+from vit_recipes.data import load_image_folder, load_splits
+from vit_recipes.decoding import PixelCollator, decode_splits, storage_format
 from vit_recipes.errors import RecipeError
 
 
@@ -318,8 +319,8 @@ def test_an_outlier_size_is_resized_to_the_common_one_and_counted(caplog):
     splits = data_module.ImageSplits(image_split(arrays), None, None, "image", ["a", "b"], "ClassLabel")
     decoded = decode_splits(splits, image_size=8)
     assert decoded.storage_shape == (8, 8) and len(decoded.train) == 6
-    assert decoded.notes == ["train: 1 image(s) not 8x8, the common size, resized to it"]
-    assert "train: 1 image(s) not 8x8, the common size, resized to it" in caplog.text
+    assert decoded.notes == ["train: 1 image(s) not 8x8, the common size, resized to cover it and centre-cropped"]
+    assert "train: 1 image(s) not 8x8, the common size, resized to cover it and centre-cropped" in caplog.text
     outlier = np.frombuffer(decoded.train[5]["pixels"], np.uint8)
     assert outlier.size == 3 * 8 * 8 and (outlier == 200).all()  # the 1x1 image, upsampled: one colour
     assert decoded.train[0]["pixels"] == np.full((3, 8, 8), 0, np.uint8).tobytes()  # the others untouched

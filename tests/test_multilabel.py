@@ -19,7 +19,8 @@ from sklearn.metrics import accuracy_score, average_precision_score, f1_score
 from transformers import EvalPrediction
 
 from vit_recipes import transforms as T
-from vit_recipes.data import ImageSplits, PixelCollator, balanced_weights, decode_splits, load_splits
+from vit_recipes.data import ImageSplits, balanced_weights, load_splits
+from vit_recipes.decoding import PixelCollator, decode_splits
 from vit_recipes.errors import RecipeError
 from vit_recipes.metrics import make_compute_metrics
 from vit_recipes.reports import write_reports

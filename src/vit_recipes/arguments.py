@@ -73,6 +73,10 @@ class ModelArguments:
     )
 
 
+def _default_workers() -> int:
+    return min(8, max(1, (os.cpu_count() or 2) // 2))
+
+
 @dataclass
 class DataArguments:
     """Where the images come from and how they are stored for training."""
@@ -107,6 +111,13 @@ class DataArguments:
         None,
         "Side of the square uint8 images the DataLoader delivers. Default: the native size when most images share one "
         "no larger than the model's, else image_size/0.875 (256 for 224).",
+    )
+    decode_images: str = _arg(
+        "auto",
+        "How images reach the DataLoader: 'once' (decoded before training into a uint8 copy in the datasets cache: "
+        "small images, no decoding per step), 'per_batch' (decoded by the DataLoader workers: no copy on disk, the "
+        "first step in seconds) or 'auto' (once when the images are no larger than the model's input, else per "
+        "batch). docs/usage.md#how-images-are-decoded.",
     )
     preprocessing_num_workers: int | None = _arg(
         help_text="Processes decoding images once into the cache (default: all cores).", default_factory=os.cpu_count
@@ -279,8 +290,9 @@ class RecipeTrainingArguments(TrainingArguments):
     save_total_limit: int | None = _arg(2, "Checkpoints kept on disk.")
     logging_steps: float = _arg(10, "Log every N steps.")
     dataloader_num_workers: int = _arg(
-        help_text="DataLoader workers (default: half the cores, at most 8: they only slice decoded arrays).",
-        default_factory=lambda: min(8, max(1, (os.cpu_count() or 2) // 2)),
+        help_text="DataLoader workers (default: half the cores, at most 8, where they only slice decoded arrays; "
+        "decoding per batch: this process's share of the cores).",
+        default_factory=_default_workers,
     )
     dataloader_persistent_workers: bool = _arg(True, "Keep DataLoader workers alive between epochs.")
     dataloader_prefetch_factor: int | None = _arg(4, "Batches prefetched per worker.")
@@ -488,6 +500,10 @@ def parse_args(
     except ValueError as err:  # raised by TrainingArguments.__post_init__ on inconsistent values
         raise RecipeError(f"invalid arguments: {first_line(err)}") from None
     args = RunArguments(*parsed, recipe=known.config)
+    # Asked for (flag or recipe) or the default: the per-batch decoding path raises only a default (decoding.py).
+    args.training.workers_given = any(a.split("=")[0] == "--dataloader_num_workers" for a in argv) or (
+        known.config is not None and parser.get_default("dataloader_num_workers") != _default_workers()
+    )
     if args.training.hub_token:  # TrainingArguments is pickled into every checkpoint: a token there would leak
         os.environ["HF_TOKEN"] = args.training.hub_token
         args.training.hub_token = None
@@ -543,6 +559,8 @@ def validate_arguments(args: RunArguments) -> None:
             "--ema_decay with --load_best_model_at_end: the best checkpoint is chosen on the raw weights and the "
             "saved model would be their average; use one of them"
         )
+    if data.decode_images not in ("auto", "once", "per_batch"):
+        raise RecipeError(f"decode_images must be auto, once or per_batch, got {data.decode_images!r}")
     if not (data.storage_size is None or data.storage_size > 0):
         raise RecipeError(f"storage_size must be > 0, got {data.storage_size}")
     if aug.auto_augment not in ("none", "randaugment", "trivialaugment"):

@@ -1,11 +1,11 @@
-"""Dataset name -> labelled splits of uint8 CHW images decoded once (cached by `datasets`): epochs only slice arrays,
-the device augments (transforms.py). Corrupt images are skipped (not fatal hours in), listed in skipped_images.json."""
+"""Dataset name -> labelled train/validation/test splits with an image column (not yet decoded: decoding.py decides
+how) and an integer or multi-hot `labels` column; the label names, and every change made to the user's data."""
 
 import json
 import logging
 import os
 import re
-from collections import Counter, namedtuple
+from collections import namedtuple
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -19,7 +19,8 @@ from datasets.utils.stratify import stratified_shuffle_split_generate_indices
 
 from .errors import RecipeError, first_line
 from .hub import LOCAL_BUILDERS, written_as_path
-from .images import IMAGE_EXTENSIONS, decode_to_chw, probe, white_level
+from .folder_index import load_folder
+from .images import IMAGE_EXTENSIONS
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ImageSplits:
     skipped: dict[str, list[dict]] = field(default_factory=dict)  # split -> [{row, image, problem}]
     notes: list[str] = field(default_factory=list)  # every change made to the user's data, for the log and the card
     multi_label: bool = False  # labels are multi-hot float32 vectors, not class ids
+    decode: str = "once"  # "once": a decoded uint8 column; "per_batch": the DataLoader workers decode (decoding.py)
 
     def present(self) -> dict[str, Dataset]:
         return {n: d for n, d in (("train", self.train), ("validation", self.validation), ("test", self.test)) if d}
@@ -90,8 +92,8 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
                 raise RecipeError(f"cannot read {path}: expected a folder, .parquet, .arrow, .csv or .json file")
             loaded = datasets.load_dataset(builder[path.suffix], data_files={"train": str(path)}, cache_dir=cache_dir)
         else:
-            try:
-                loaded = datasets.load_dataset(str(path), config_name, cache_dir=cache_dir)
+            try:  # indexed in one walk, the splits named explicitly (folder_index.py)
+                loaded = load_folder(path, cache_dir)
             except datasets.exceptions.DatasetGenerationError as err:
                 raise RecipeError(_unreadable_files(err, path)) from None
             except (FileNotFoundError, ValueError) as err:
@@ -367,105 +369,6 @@ def load_image_folder(folder: str) -> Dataset:
     )
 
 
-@dataclass(frozen=True)
-class StorageFormat:
-    """How every image of a dataset is stored: one size, and one white level for high-bit-depth images."""
-
-    shape: tuple[int, int]  # (height, width)
-    white: float = 255.0
-    native: bool = False  # the images' own common size (others are resized to it and counted)
-
-
-def storage_format(split: Dataset, image_column: str, image_size: int, storage_size: int | None) -> StorageFormat:
-    """First 64 images: their common size if <= the model's (upsampling is cheap), else image_size/0.875; white level."""
-    sizes, peak = Counter(), None
-    for value in split.select(range(min(64, len(split))))[image_column]:
-        try:
-            size, high = probe(value)
-        except Exception:  # a corrupt header: decode_datasets counts it
-            continue
-        sizes[size] += 1
-        if high is not None:
-            peak = max(peak or 0.0, high)
-    white = 255.0 if peak is None else white_level(peak)
-    if peak is not None:
-        logger.warning(
-            f"High-bit-depth images (largest value {peak:g} in {sum(sizes.values())} sampled): every image is scaled "
-            f"by 255/{white:g} to 8 bits"
-        )
-    if sizes and not storage_size:
-        (width, height), count = sizes.most_common(1)[0]
-        if 2 * count > sum(sizes.values()) and max(width, height) <= image_size:
-            return StorageFormat((height, width), white, native=True)
-    side = storage_size or round(image_size / 0.875)
-    return StorageFormat((side, side), white)
-
-
-def _decode_batch(batch, image_column: str, height: int, width: int, white: float):
-    pixels, problems = [], []
-    for value in batch[image_column]:
-        try:
-            array, resized = decode_to_chw(value, height, width, white)
-            pixels.append(array.tobytes())
-            problems.append("resized" if resized else "")
-        except Exception as err:  # corrupt/truncated/unsupported: skip and name it (see module docstring)
-            pixels.append(b"")
-            problems.append("not found" if isinstance(err, FileNotFoundError) else "unreadable")
-    return {PIXELS: pixels, "problem": problems}
-
-
-def decode_datasets(
-    parts: dict[str, Dataset], image_column: str, storage: StorageFormat, num_proc: int | None, notes: list[str]
-) -> tuple[dict[str, Dataset], dict[str, list[dict]]]:
-    """Decode the splits in `parts` once to uint8 CHW bytes (cached by fingerprint); return them and each one's skipped
-    {row, image, problem}. Together, they are one `map`: one pool of processes to start (~0.5 s on 16 cores)."""
-    height, width = storage.shape
-    together = next(iter(parts.values())) if len(parts) == 1 else datasets.concatenate_datasets(list(parts.values()))
-    kept = {k: v for k, v in together.features.items() if k != image_column}
-    together = together.map(
-        _decode_batch, batched=True, batch_size=256, remove_columns=[image_column],
-        fn_kwargs={"image_column": image_column, "height": height, "width": width, "white": storage.white},
-        features=datasets.Features({**kept, PIXELS: Value("binary"), "problem": Value("string")}),
-        num_proc=num_proc if num_proc and num_proc > 1 and len(together) > 1000 else None,
-        desc=f"Decoding {' and '.join(parts)} images to {height}x{width} uint8",
-    )  # fmt: skip
-    all_problems, out, skipped, start = together.data.column("problem").to_pylist(), {}, {}, 0
-    for name, dataset in parts.items():
-        decoded = together.select(range(start, start + len(dataset)))
-        problems, start = all_problems[start : start + len(dataset)], start + len(dataset)
-        if (resized := problems.count("resized")) and storage.native:
-            notes.append(f"{name}: {resized} image(s) not {width}x{height}, the common size, resized to it")
-            logger.warning(notes[-1])
-        bad = [i for i, problem in enumerate(problems) if problem not in ("", "resized")]
-        values = dataset.select(bad)[image_column] if bad else []
-        paths = [value.get("path") if isinstance(value, dict) else None for value in values]
-        if lost := [{"row": row, "image": path, "problem": problems[row]} for row, path in zip(bad, paths)]:
-            named = [f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in lost]
-            more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
-            notes.append(f"{name}: {len(lost)} image(s) skipped (not found or unreadable)")
-            logger.warning("Skipped %d image(s) in split '%s': %s%s", len(lost), name, ", ".join(named[:10]), more)
-            decoded = decoded.select(sorted(set(range(len(problems))).difference(bad)))
-            if len(decoded) == 0:
-                raise RecipeError(f"every image in split '{name}' is missing, corrupt or unreadable, e.g. {named[0]}")
-        out[name], skipped[name] = decoded.remove_columns("problem"), lost
-    return out, skipped
-
-
-def decode_splits(
-    splits: ImageSplits, image_size: int, storage_size: int | None = None, num_proc: int | None = None
-) -> ImageSplits:
-    reference = splits.train or splits.validation or splits.test
-    storage = storage_format(reference, splits.image_column, image_size, storage_size)
-    notes, decoded, skipped = list(splits.notes), dict.fromkeys(("train", "validation", "test")), {}
-    # validation and test share a pass; train has its own, so an evaluation-only run finds theirs in the cache
-    for group in (("train",), ("validation", "test")):
-        if parts := {name: split for name, split in splits.present().items() if name in group}:
-            done, lost = decode_datasets(parts, splits.image_column, storage, num_proc, notes)
-            decoded, skipped = decoded | done, skipped | lost
-    stored = dict(image_column=PIXELS, storage_shape=storage.shape, white=storage.white, notes=notes)
-    return replace(splits, **decoded, **stored, skipped={name: rows for name, rows in skipped.items() if rows})
-
-
 def balanced_weights(splits: ImageSplits) -> torch.Tensor:
     """Inverse class frequency in train (scikit-learn's "balanced"); multi-label: BCE pos_weight, negatives / positives."""
     if splits.multi_label:
@@ -503,19 +406,3 @@ def write_skipped(splits: ImageSplits, output_dir: str) -> None:
     if splits.skipped:
         os.makedirs(output_dir, exist_ok=True)
         Path(output_dir, "skipped_images.json").write_text(json.dumps(splits.skipped, indent=2))
-
-
-class PixelCollator:
-    """Stacks stored uint8 CHW bytes into one (B, 3, H, W) uint8 tensor: the only work left for DataLoader workers."""
-
-    def __init__(self, shape: tuple[int, int]):
-        self.shape = shape
-
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        buffer = b"".join(row[PIXELS] for row in rows)
-        pixels = np.frombuffer(buffer, dtype=np.uint8).reshape(len(rows), 3, *self.shape)
-        batch = {"pixel_values": torch.from_numpy(pixels.copy())}
-        if LABELS in rows[0]:  # class ids, or multi-hot float32 vectors (multi-label)
-            labels = [row[LABELS] for row in rows]
-            batch["labels"] = torch.tensor(labels, dtype=torch.float32 if isinstance(labels[0], list) else torch.long)
-        return batch

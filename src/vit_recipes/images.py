@@ -1,6 +1,7 @@
 """One image to the uint8 CHW array the DataLoader delivers, as RGB the way transformers' `convert_to_rgb` makes it."""
 
 import io
+import math
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -38,15 +39,21 @@ def to_rgb(image: Image.Image, white: float | None = None) -> Image.Image:
     return image.convert("RGB")
 
 
-def decode_to_chw(value, height: int, width: int, white: float | None = None) -> tuple[np.ndarray, bool]:
-    """A datasets Image value, bytes or path as RGB fitted to (3, height, width) uint8, and whether it was resized."""
+def decode_to_chw(value, height: int, width: int, white: float | None = None) -> tuple[np.ndarray, str]:
+    """A datasets Image value, bytes or path as RGB fitted to (3, height, width) uint8, and what was done to fit it:
+    "" (nothing), or comma-separated "resized", "cropped" (over half its area cut to fit the shape), "first frame"."""
     image = Image.open(_file(value))
+    done = ["first frame"] if getattr(image, "n_frames", 1) > 1 else []  # PIL decodes frame 0 of a GIF/WebP/TIFF
+    if image.format == "JPEG":  # decode at 1/2, 1/4 or 1/8 scale where that still covers the shape (DCT scaling),
+        scale = max(width, height) / min(image.size)  # in either orientation (EXIF may rotate it next)
+        image.draft("RGB", (math.ceil(image.width * scale), math.ceil(image.height * scale)))
     image.load()  # decode now, so a truncated file fails here and not in a worker later
     image = to_rgb(image, white)
-    resized = image.size != (width, height)
-    if resized:  # cover height x width, then centre-crop (bicubic, antialiased)
+    if image.size != (width, height):  # cover height x width, then centre-crop (bicubic, antialiased)
+        aspect = (image.width / image.height) / (width / height)
+        done += ["resized"] + (["cropped"] if max(aspect, 1 / aspect) > 2 else [])
         image = ImageOps.fit(image, (width, height), Image.Resampling.BICUBIC)
-    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)), resized
+    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)), ",".join(done)
 
 
 def probe(value) -> tuple[tuple[int, int], float | None]:

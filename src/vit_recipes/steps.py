@@ -16,18 +16,15 @@ from .card import card_info, write_model_card
 from .data import (
     MULTI_LABEL,
     ImageSplits,
-    PixelCollator,
-    StorageFormat,
     balanced_sample_weights,
     balanced_weights,
-    decode_datasets,
     labels_of_model,
     load_image_folder,
     load_splits,
-    storage_format,
     write_labels,
     write_skipped,
 )
+from .decoding import PixelCollator, StorageFormat, decode_datasets, make_collator, skipped_during_run, storage_format
 from .errors import RecipeError, first_line
 from .figures import FigureProcess
 from .flops import peak_flops, training_flops_per_image
@@ -101,7 +98,7 @@ def build_trainer(
     try:
         trainer = ImageClassificationTrainer(
             model=model, args=training, train_dataset=splits.train, eval_dataset=splits.validation,
-            data_collator=PixelCollator(splits.storage_shape),  # predicting alone: set by predict_folder
+            data_collator=make_collator(splits, training.output_dir),  # predicting alone: set by predict_folder
             compute_metrics=make_compute_metrics(splits.multi_label, args.data.multi_label_threshold),
             train_transform=train_transform, eval_transform=eval_transform,
             mixup=build_mixup(args.augment, len(splits.label_names), training.label_smoothing_factor),

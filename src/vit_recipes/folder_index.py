@@ -1,0 +1,159 @@
+"""A local dataset folder -> its splits, from one walk of the tree.
+
+`datasets.load_dataset(<folder>)` finds the splits by resolving some 46 glob patterns, each a walk over the whole tree
+(on a 60,000-image folder most of a minute), then builds an imagefolder table example by example. Here one
+`os.scandir` walk names every file once; the splits are then handed to `datasets` explicitly (`data_files`), and a
+folder of images alone becomes its table directly: each row a path and a class id. What `datasets` would infer is
+kept: its split keywords and their order of precedence, its files to ignore, and imagefolder's labels (the parent
+folder's name, when every image is at the same depth and there are at least two such folders).
+"""
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+from datasets.data_files import FILES_TO_IGNORE, NON_WORDS_CHARS, SPLIT_KEYWORDS
+
+from .errors import RecipeError
+from .images import IMAGE_EXTENSIONS
+
+DATA_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+METADATA_FILES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")  # imagefolder's per-image columns
+SEP = f"[{re.escape(NON_WORDS_CHARS[:-3])}0-9]"  # "-", ".", "_", " " or a digit, as in datasets' patterns
+# datasets' order: "train-00000-of-00002" shards, then split keywords in folder names, then in file names.
+SHARDED = re.compile(r"(?:^|/)([^/]+?)-\d{5}-of-\d{5}[^/]*$")
+
+
+def _keyword_pattern(keyword: str, in_dir: bool) -> re.Pattern:
+    name = rf"(?:{keyword}|{keyword}{SEP}[^/]*|[^/]*{SEP}{keyword}|[^/]*{SEP}{keyword}{SEP}[^/]*)"
+    return re.compile(rf"(?:^|/){name}/" if in_dir else rf"(?:^|/){name}$")
+
+
+KEYWORD_PATTERNS = {
+    in_dir: {str(split): [_keyword_pattern(k, in_dir) for k in keywords] for split, keywords in SPLIT_KEYWORDS.items()}
+    for in_dir in (True, False)
+}
+
+
+@dataclass
+class FolderIndex:
+    """Every file of a dataset folder that `datasets` would read, by split (paths relative to the root)."""
+
+    root: Path
+    splits: dict[str, list[str]] = field(default_factory=dict)
+    signature: str = ""  # changes when any indexed file's path, size or modification time does
+
+    @property
+    def files(self) -> list[str]:
+        return [f for files in self.splits.values() for f in files]
+
+
+def _wanted(relative: str) -> bool:
+    parts = relative.split("/")
+    hidden = any(p.startswith(".") or (p.startswith("__") and p != "__init__") for p in parts)
+    return not hidden and parts[-1] not in FILES_TO_IGNORE
+
+
+def walk(root: Path) -> tuple[list[str], str]:
+    """Every file under `root` (sorted, relative, '/'-separated) and a signature of their sizes and times."""
+    found, digest, stack = [], hashlib.sha256(), [""]
+    while stack:
+        folder = stack.pop()
+        with os.scandir(root / folder if folder else root) as entries:
+            for entry in entries:
+                relative = f"{folder}/{entry.name}" if folder else entry.name
+                if entry.is_dir(follow_symlinks=True):
+                    if _wanted(relative + "/x"):
+                        stack.append(relative)
+                elif _wanted(relative):
+                    stat = entry.stat()
+                    found.append((relative, stat.st_size, stat.st_mtime_ns))
+    found.sort()
+    for relative, size, mtime in found:
+        digest.update(f"{relative}\0{size}\0{mtime}\n".encode())
+    return [relative for relative, _, _ in found], digest.hexdigest()[:16]
+
+
+def assign_splits(files: list[str]) -> dict[str, list[str]]:
+    """Files by split, the way datasets' default patterns would name them (everything is train when none matches)."""
+    sharded: dict[str, list[str]] = {}
+    for f in files:
+        if match := SHARDED.search(f):
+            sharded.setdefault(match[1].rsplit("/", 1)[-1], []).append(f)
+    if sharded and sum(map(len, sharded.values())) == len(files):
+        return sharded
+    for in_dir in (True, False):
+        splits: dict[str, list[str]] = {}
+        for f in files:
+            for split, patterns in KEYWORD_PATTERNS[in_dir].items():
+                if any(p.search(f) for p in patterns):
+                    splits.setdefault(split, []).append(f)
+                    break
+        if splits:
+            return splits
+    return {"train": list(files)}
+
+
+def index_folder(root: Path) -> FolderIndex:
+    files, signature = walk(root)
+    if not files:
+        raise RecipeError(f"no dataset found in folder {root}: it holds no files")
+    splits = assign_splits(files)
+    order = [str(s) for s in SPLIT_KEYWORDS]  # datasets' own order (a builder reads the first split's types first)
+    ordered = sorted(splits, key=lambda s: order.index(s) if s in order else len(order))
+    return FolderIndex(root, {s: splits[s] for s in ordered}, signature)
+
+
+def _image_table(index: FolderIndex) -> datasets.DatasetDict:
+    """Images alone: one row per image, {path} and imagefolder's label, with the splits' union of class names."""
+    depths = {f.count("/") for f in index.files}
+    labels = sorted({f.rsplit("/", 2)[-2] for f in index.files if "/" in f})
+    with_labels = len(labels) > 1 and len(depths) == 1
+    features = datasets.Features({"image": datasets.Image(decode=False)})
+    if with_labels:
+        features["label"] = datasets.ClassLabel(names=labels)
+    ids = {name: i for i, name in enumerate(labels)}
+    out = {}
+    for split, files in index.splits.items():
+        columns = {"image": [{"path": str(index.root / f), "bytes": None} for f in files]}
+        if with_labels:
+            columns["label"] = [ids[f.rsplit("/", 2)[-2]] for f in files]
+        # The signature names the table for datasets' cache: the same folder, unchanged, finds its decoded copy.
+        table = datasets.table.InMemoryTable.from_pydict(columns, schema=features.arrow_schema)
+        out[split] = datasets.Dataset(table, fingerprint=f"folder-{index.signature}-{split}")
+    return datasets.DatasetDict(out)
+
+
+def load_folder(root: Path, cache_dir: str | None = None) -> datasets.DatasetDict:
+    """The folder's splits: a table of image paths for a folder of images, else `datasets`' builder for its files
+    (imagefolder with metadata files, parquet, arrow, CSV or JSON), given the files of each split by name."""
+    index = index_folder(root)
+    suffixes = {os.path.splitext(f)[1].lower() for f in index.files}
+    names = {f.rsplit("/", 1)[-1] for f in index.files}
+    images = suffixes & set(IMAGE_EXTENSIONS)
+    data = suffixes & set(DATA_BUILDERS)
+    if images and not (names & set(METADATA_FILES)):
+        index.splits = {
+            s: [f for f in fs if os.path.splitext(f)[1].lower() in images] for s, fs in index.splits.items()
+        }
+        return _image_table(index)
+    if images:
+        builder = "imagefolder"
+    elif len({DATA_BUILDERS[s] for s in data}) == 1:
+        builder = DATA_BUILDERS[data.pop()]
+    elif data:
+        raise RecipeError(f"folder {root} mixes data file types ({', '.join(sorted(data))}): keep one")
+    else:
+        raise RecipeError(
+            f"no dataset found in folder {root}: no images ({', '.join(IMAGE_EXTENSIONS)}) and no data files "
+            f"({', '.join(DATA_BUILDERS)})"
+        )
+    keep = set(IMAGE_EXTENSIONS) | set(METADATA_FILES) if builder == "imagefolder" else set(DATA_BUILDERS)
+    data_files = {
+        split: [str(root / f) for f in files if os.path.splitext(f)[1].lower() in keep or f.endswith(METADATA_FILES)]
+        for split, files in index.splits.items()
+    }
+    return datasets.load_dataset(builder, data_files={s: f for s, f in data_files.items() if f}, cache_dir=cache_dir)
