@@ -6,7 +6,7 @@ import logging
 import os
 import re
 from collections import namedtuple
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -18,8 +18,8 @@ from datasets import ClassLabel, Dataset, DatasetDict, Value
 from datasets.utils.stratify import stratified_shuffle_split_generate_indices
 
 from .errors import RecipeError, first_line
-from .hub import LOCAL_BUILDERS, written_as_path
 from .folder_index import load_folder
+from .hub import LOCAL_BUILDERS, written_as_path
 from .images import IMAGE_EXTENSIONS
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from .data import (
     write_labels,
     write_skipped,
 )
-from .decoding import PixelCollator, StorageFormat, decode_datasets, make_collator, skipped_during_run, storage_format
+from .decoding import PixelCollator, StorageFormat, decode_datasets, make_collator, storage_format
 from .errors import RecipeError, first_line
 from .figures import FigureProcess
 from .flops import peak_flops, training_flops_per_image
