@@ -20,7 +20,7 @@ from vit_recipes import launch
 from vit_recipes.arguments import parse_args
 from vit_recipes.checks import check_hub, check_model
 from vit_recipes.data import imbalance
-from vit_recipes.decoding import prepare_images, share_cores_with_workers
+from vit_recipes.decoding import note_skipped_during_run, prepare_images, share_cores_with_workers
 from vit_recipes.errors import RecipeError
 from vit_recipes.fp8 import convert_to_fp8
 from vit_recipes.interrupt import RunInterrupted
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 10. Model card (written locally by every run that trains or evaluates), then push; the summary last.
     if training.do_train or training.do_eval:
+        splits = note_skipped_during_run(splits, training.output_dir)  # images the DataLoader workers could not read
         publish(trainer, args, plan, argv, splits, results, reports, finetune, meter)
     if trainer.is_world_process_zero():
         summary(results, training.output_dir, reports, imbalance(splits))

@@ -42,14 +42,21 @@ class StorageFormat:
     white: float = 255.0
     native: bool = False  # the images' own common size (others are resized to it and counted)
     sampled: tuple[int, int] | None = None  # (width, height) of the most common size among the images probed
+    source_bytes: float | None = None  # the probed images' mean size as stored (file or bytes), compressed
+
+    @property
+    def growth(self) -> float | None:
+        """A decoded image's size over its stored (compressed) size."""
+        return 3 * self.shape[0] * self.shape[1] / self.source_bytes if self.source_bytes else None
 
 
 def storage_format(split: Dataset, image_column: str, image_size: int, storage_size: int | None) -> StorageFormat:
     """First 64 images: their common size if <= the model's (upsampling is cheap), else image_size/0.875; white level."""
-    sizes, peak, deep = Counter(), None, 0
+    sizes, peak, deep, stored = Counter(), None, 0, []
     for value in split.select(range(min(64, len(split))))[image_column]:
         try:
             size, high = probe(value)
+            stored.append(stored_size(value))
         except Exception:  # a corrupt header: the decoding counts it
             continue
         sizes[size] += 1
@@ -62,23 +69,39 @@ def storage_format(split: Dataset, image_column: str, image_size: int, storage_s
             f"scaled by 255/{white:g} to 8 bits; 8-bit images are stored as they are"
         )
     common = sizes.most_common(1)[0][0] if sizes else None
+    source = sum(stored) / len(stored) if stored and all(stored) else None
     if common and not storage_size:
         (width, height), count = common, sizes[common]
         if 2 * count > sum(sizes.values()) and max(width, height) <= image_size:
-            return StorageFormat((height, width), white, native=True, sampled=common)
+            return StorageFormat((height, width), white, native=True, sampled=common, source_bytes=source)
     side = storage_size or round(image_size / 0.875)
-    return StorageFormat((side, side), white, sampled=common)
+    return StorageFormat((side, side), white, sampled=common, source_bytes=source)
 
 
-def choose_decoding(requested: str, storage: StorageFormat, image_size: int) -> tuple[str, str]:
-    """("once" or "per_batch", why): `requested` unless "auto"; auto decodes once when the images are no larger than
-    the model's input (their decoded copy is small and saves every step's decoding), else per batch."""
+def stored_size(value) -> int | None:
+    """Bytes an image takes as stored: its encoded bytes, or its file's size."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    return os.path.getsize(value) if isinstance(value, str) and os.path.isfile(value) else None
+
+
+MAX_GROWTH = 2.0  # auto decodes once while a decoded image is at most this many times its stored size
+
+
+def choose_decoding(requested: str, storage: StorageFormat) -> tuple[str, str]:
+    """("once" or "per_batch", why): `requested` unless "auto". Auto decodes once when the decoded copy is at most
+    MAX_GROWTH times the images as stored (small images: CIFAR's PNGs 1.2x; it saves decoding every step), else per
+    batch (photos: a 450x360 JPEG of 45 KB is 192 KB at 256x256, 4.3x, and would cost minutes before step 1)."""
     if requested != "auto":
         return requested, f"--decode_images {requested}"
-    seen = "x".join(map(str, storage.sampled)) if storage.sampled else "unknown"
-    if storage.native:
-        return "once", f"images are {seen}, no larger than the model's {image_size} px input: a small copy pays"
-    return "per_batch", f"images are {seen} (most common), larger than the model's {image_size} px input"
+    seen = "x".join(map(str, storage.sampled)) if storage.sampled else "of unknown size"
+    growth = storage.growth
+    if growth is None:  # sizes unknown (e.g. remote files): a copy the size of the pixels is the safe guess
+        return "once", f"images {seen}, their stored size unknown"
+    what = f"images {seen}, ~{storage.source_bytes / 1024:.0f} KB stored, decoded {growth:.1f}x that"
+    return ("once", what) if growth <= MAX_GROWTH else ("per_batch", what)
 
 
 def _cache_folder(dataset: Dataset) -> Path:
@@ -171,7 +194,7 @@ def decode_datasets(
             f"{_size(needed)}); its partial files are removed: free space, point HF_DATASETS_CACHE (or --cache_dir) "
             "at a larger disk, or pass --decode_images per_batch (no copy)"
         ) from None
-    logger.info("Decoded copy of %s: %s in %s", " and ".join(parts), _size(needed), folder)
+    logger.warning("The decoded copy of the %s images: %s in %s", " and ".join(parts), _size(needed), folder)
     all_problems, out, skipped, start = together.data.column("problem").to_pylist(), {}, {}, 0
     for name, dataset in parts.items():
         decoded = together.select(range(start, start + len(dataset)))
@@ -223,14 +246,13 @@ def prepare_images(splits: ImageSplits, image_size: int, data_args) -> ImageSpli
     """Choose how this dataset's images reach the DataLoader (module docstring), say which and why, and do it."""
     reference = splits.train or splits.validation or splits.test
     storage = storage_format(reference, splits.image_column, image_size, data_args.storage_size)
-    decode, why = choose_decoding(data_args.decode_images, storage, image_size)
+    decode, why = choose_decoding(data_args.decode_images, storage)
     height, width = storage.shape
     if decode == "once":
         rows = sum(len(d) for d in splits.present().values())
         logger.warning(
-            "Images decoded once to %dx%d uint8 (%s): a copy of about %s in the datasets cache; --decode_images "
-            "per_batch decodes in the DataLoader workers instead", height, width, why,
-            _size(copy_size(rows, storage.shape)),
+            "Images decoded once to %dx%d uint8 (%s): a copy of about %s on disk; --decode_images per_batch "
+            "decodes in the DataLoader workers instead", height, width, why, _size(copy_size(rows, storage.shape)),
         )  # fmt: skip
         return decode_splits(splits, image_size, num_proc=data_args.preprocessing_num_workers, storage=storage)
     logger.warning(
@@ -323,6 +345,23 @@ def share_cores_with_workers(training, splits: ImageSplits) -> None:
         )  # fmt: skip
         training.dataloader_num_workers, training.dataloader_persistent_workers = share, True
         training.dataloader_prefetch_factor = training.dataloader_prefetch_factor or 4
+
+
+def note_skipped_during_run(splits: ImageSplits, output_dir: str) -> ImageSplits:
+    """The per-batch path's unreadable images, by split, into the run's notes (card) and skipped_images.json."""
+    lost = skipped_during_run(output_dir) if splits.decode == "per_batch" else []
+    if not lost:
+        return splits
+    notes, skipped, left = list(splits.notes), dict(splits.skipped), {item["image"]: item for item in lost}
+    for name, split in splits.present().items():
+        paths = [v.get("path") if isinstance(v, dict) else None for v in split[splits.image_column]]
+        if found := [left.pop(path) for path in paths if path in left]:
+            skipped[name] = skipped.get(name, []) + found
+            notes.append(f"{name}: {len(found)} unreadable image(s) replaced in their batch by another of it")
+    if left:  # no path to place them by (images stored as bytes)
+        skipped["unplaced"] = list(left.values())
+        notes.append(f"{len(left)} unreadable image(s) replaced in their batch by another of it")
+    return replace(splits, notes=notes, skipped=skipped)
 
 
 def skipped_during_run(output_dir: str) -> list[dict]:

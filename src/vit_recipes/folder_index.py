@@ -130,7 +130,7 @@ def _image_table(index: FolderIndex) -> datasets.DatasetDict:
 def load_folder(root: Path, cache_dir: str | None = None) -> datasets.DatasetDict:
     """The folder's splits: a table of image paths for a folder of images, else `datasets`' builder for its files
     (imagefolder with metadata files, parquet, arrow, CSV or JSON), given the files of each split by name."""
-    index = index_folder(root)
+    index = index_folder(root.resolve())  # absolute paths in the table, as datasets writes them
     suffixes = {os.path.splitext(f)[1].lower() for f in index.files}
     names = {f.rsplit("/", 1)[-1] for f in index.files}
     images = suffixes & set(IMAGE_EXTENSIONS)

@@ -254,6 +254,8 @@ def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> 
 
 def publish(trainer, args: RunArguments, plan: RunPlan, argv, splits, results, reports, finetune, meter) -> None:
     """Write the model card (always, locally), then push with it when asked."""
+    if trainer.is_world_process_zero():
+        write_skipped(splits, trainer.args.output_dir)
     history = trainer.state.log_history
     trainer.card = card_info(args, plan, argv, splits, results, reports, finetune, meter.images_per_second, history)
     if trainer.is_world_process_zero():

@@ -1,0 +1,223 @@
+"""The data path at real sizes: a folder indexed in one walk, and the choice between a decoded copy and decoding per
+batch in the DataLoader workers (src/vit_recipes/folder_index.py, decoding.py)."""
+
+import errno
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, run_args
+from PIL import Image as PILImage
+
+from vit_recipes import decoding
+from vit_recipes.data import ImageSplits, load_any
+from vit_recipes.decoding import DecodingCollator, PixelCollator, decode_splits, prepare_images, storage_format
+from vit_recipes.errors import RecipeError
+
+sys.path.insert(0, str(ROOT / "tools"))
+from jpeg_folder import write_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """An ImageNet-shaped folder in miniature: 60 JPEGs of 64-96 px in 3 classes, train/ and validation/."""
+    root = tmp_path_factory.mktemp("photos")
+    write_folder(root, images=60, classes=3, validation=0.2, sides=(64, 96), workers=1)
+    return root
+
+
+def splits_of(folder: Path) -> ImageSplits:
+    loaded = load_any(str(folder))
+    names = loaded["train"].features["label"].names
+    train, validation = (loaded[s].rename_column("label", "labels") for s in ("train", "validation"))
+    return ImageSplits(train, validation, None, "image", names, "ClassLabel")
+
+
+def decode_args(**kw):
+    return SimpleNamespace(**{"storage_size": None, "decode_images": "auto", "preprocessing_num_workers": 1, **kw})
+
+
+# ------------------------------------------------------------------------------------------------------ indexing
+
+
+def test_a_folder_is_indexed_in_one_walk_as_datasets_would_read_it(tmp_path, photos, monkeypatch):
+    """Same splits, rows, paths and labels as `datasets.load_dataset(<folder>)`, without its glob patterns (one
+    walk over the whole tree each; most of a minute on 60,000 images)."""
+    (photos / "README.md").write_text("ignored by both")
+    (photos / ".hidden").mkdir(exist_ok=True)
+    (photos / ".hidden" / "x.jpg").write_bytes(b"not an image: hidden folders are not data")
+    expected = datasets.load_dataset(str(photos))
+    from datasets import data_files
+
+    def no_glob(*args, **kwargs):
+        raise AssertionError("a local folder was globbed")
+
+    monkeypatch.setattr(data_files, "resolve_pattern", no_glob)
+    loaded = load_any(str(photos))
+    assert list(loaded) == list(expected) == ["train", "validation"]
+    for split in loaded:
+        ours = loaded[split].cast_column("image", datasets.Image(decode=False))
+        theirs = expected[split].cast_column("image", datasets.Image(decode=False))
+        assert ours.features["label"] == theirs.features["label"]
+        assert sorted(zip(ours["image"], ours["label"]), key=lambda r: r[0]["path"]) == sorted(
+            zip(theirs["image"], theirs["label"]), key=lambda r: r[0]["path"]
+        )
+
+
+def test_data_files_in_a_folder_are_handed_to_their_builder_by_split(tmp_path):
+    """Shards named like the Hub's (`data/train-00000-of-00002.parquet`) and split keywords in file names."""
+    shards = tmp_path / "shards" / "data"
+    shards.mkdir(parents=True)
+    for split, n in (("train", 2), ("test", 1)):
+        for i in range(n):
+            rows = datasets.Dataset.from_dict({"image": [f"{split}{i}.png"], "label": [i]})
+            rows.to_parquet(str(shards / f"{split}-{i:05d}-of-{n:05d}.parquet"))
+    loaded = load_any(str(tmp_path / "shards"))
+    assert {s: len(d) for s, d in loaded.items()} == {"train": 2, "test": 1}
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "my_train.csv").write_text("image,label\na.png,0\nb.png,1\n")
+    (named / "valid.csv").write_text("image,label\nc.png,0\n")
+    assert {s: len(d) for s, d in load_any(str(named)).items()} == {"train": 2, "validation": 1}
+    (named / "test_more.parquet").write_bytes(b"")
+    with pytest.raises(RecipeError, match=r"mixes data file types \(\.csv, \.parquet\): keep one"):
+        load_any(str(named))
+
+
+# ------------------------------------------------------------------------------------------ choosing the path
+
+
+def test_auto_decodes_small_images_once_and_photos_per_batch(photos, cifar_like, caplog):
+    """Photos (JPEG, decoded ~4x their file size) decode per batch and write nothing; CIFAR-shaped PNGs (about
+    their own size decoded) are decoded once into the cache; the log says which path and why."""
+    splits = splits_of(photos)
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+    before = set(cache.rglob("*")) if cache.exists() else set()
+    prepared = prepare_images(splits, 64, decode_args())
+    assert prepared.decode == "per_batch" and prepared.storage_shape == (73, 73)
+    assert prepared.train is splits.train  # nothing decoded, nothing written
+    assert (set(cache.rglob("*")) if cache.exists() else set()) == before
+    assert "Images decoded per batch by the DataLoader workers to 73x73 uint8" in caplog.text
+    assert "decoded 1" not in caplog.text  # the growth is stated, and well over 2x for these photos
+    small = load_any(str(cifar_like))
+    train = small["train"].rename_column("fine_label", "labels").cast_column("img", datasets.Image(decode=False))
+    stored = prepare_images(ImageSplits(train, None, None, "img", ["a"], "ClassLabel"), 224, decode_args())
+    assert stored.decode == "once" and stored.image_column == "pixels" and stored.storage_shape == (32, 32)
+    assert (
+        "Images decoded once to 32x32 uint8" in caplog.text and "The decoded copy of the train images" in caplog.text
+    )
+    forced = prepare_images(splits, 64, decode_args(decode_images="once"))
+    assert forced.decode == "once" and "(--decode_images once)" in caplog.text
+
+
+def test_per_batch_decoding_delivers_the_pixels_of_the_decoded_copy(photos):
+    splits = splits_of(photos)
+    once = decode_splits(splits, 64)
+    per_batch = prepare_images(splits, 64, decode_args(decode_images="per_batch"))
+    rows = [per_batch.train[i] for i in range(6)]
+    batch = DecodingCollator(per_batch.storage_shape, per_batch.white, "image")(rows)
+    expected = PixelCollator(once.storage_shape)([once.train[i] for i in range(6)])
+    assert batch["pixel_values"].dtype == torch.uint8 and batch["pixel_values"].shape == (6, 3, 73, 73)
+    assert torch.equal(batch["pixel_values"], expected["pixel_values"])
+    assert torch.equal(batch["labels"], expected["labels"])
+
+
+def test_an_unreadable_image_in_a_batch_is_replaced_logged_and_recorded(photos, tmp_path, caplog):
+    splits = splits_of(photos)
+    rows = [splits.train[i] for i in range(4)]
+    rows[1] = {**rows[1], "image": {"path": str(tmp_path / "gone.jpg"), "bytes": None}}
+    rows[2] = {**rows[2], "image": {"path": None, "bytes": b"\xff\xd8 truncated"}}
+    record = tmp_path / decoding.SKIPPED_DURING_RUN
+    batch = DecodingCollator((16, 16), 255.0, "image", str(record))(rows)
+    assert batch["pixel_values"].shape == (4, 3, 16, 16)  # the batch keeps its shape
+    assert torch.equal(batch["pixel_values"][1], batch["pixel_values"][0])
+    assert batch["labels"].tolist() == [rows[0]["labels"], rows[0]["labels"], rows[3]["labels"], rows[3]["labels"]]
+    assert f"Unreadable image {tmp_path / 'gone.jpg'} (not found): replaced in its batch" in caplog.text
+    assert decoding.skipped_during_run(str(tmp_path)) == [
+        {"image": str(tmp_path / "gone.jpg"), "problem": "not found"},
+        {"image": None, "problem": "unreadable"},
+    ]
+    with pytest.raises(RuntimeError, match="every image of a batch is unreadable"):
+        DecodingCollator((16, 16), 255.0, "image")(rows[1:3])
+
+
+# ------------------------------------------------------------------------------------------------- disk room
+
+
+def test_the_decoded_copy_is_checked_for_room_before_any_work(photos, monkeypatch):
+    splits = splits_of(photos)
+    calls = []
+    monkeypatch.setattr(datasets.Dataset, "map", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(decoding.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(RecipeError, match=r"^the decoded copy needs 1 MiB in the datasets cache .* 0 MiB free: pass "
+                       r"--decode_images per_batch \(no copy\), --streaming"):  # fmt: skip
+        decode_splits(splits, 64)
+    assert calls == []
+
+
+def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_partial_file(photos, tmp_path, monkeypatch):
+    """ENOSPC in the middle of the cache write (a small filesystem, simulated): one line naming the cache folder and
+    the size needed, and no half-written file left in the cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    splits = splits_of(photos)
+    from datasets import arrow_writer
+
+    written = arrow_writer.ArrowWriter.write_batch
+
+    def fill_the_disk(self, *args, **kwargs):
+        written(self, *args, **kwargs)
+        self.stream.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(arrow_writer.ArrowWriter, "write_batch", fill_the_disk)
+    folder = tmp_path / "cache" / "vit_recipes_decoded"
+    with pytest.raises(RecipeError) as caught:
+        decode_splits(splits, 64)
+    message = str(caught.value)
+    assert message.startswith(f"the datasets cache {folder} filled up while decoding (")
+    assert "the decoded copy needs 1 MiB); its partial files are removed" in message
+    assert "\n" not in message
+    assert [p.name for p in folder.iterdir()] == []
+
+
+# ------------------------------------------------------------------------------------------------ whole runs
+
+
+def test_a_run_on_a_jpeg_folder_decodes_per_batch_and_writes_no_copy(photos, tiny_vit, tmp_path, run_script, capsys,
+                                                                     monkeypatch):  # fmt: skip
+    """The script on a folder of photos, per batch (auto picks it for photos larger than the model's input, as the test
+    above shows; this tiny model's 16 px input would make a small copy): one line saying so, no decoded copy on
+    disk, an unreadable photo replaced, reported in skipped_images.json and the card."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    broken = photos / "train" / "class_0001" / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    try:
+        out = tmp_path / "out"
+        results = run_script(*run_args(photos, tiny_vit, out, "--max_steps", "8", "--decode_images", "per_batch"))
+    finally:
+        broken.unlink()
+    assert "Images decoded per batch by the DataLoader workers to 18x18 uint8" in capsys.readouterr().out
+    assert not cache.exists() or not any(cache.rglob("*.arrow"))
+    assert results["eval_accuracy"] >= 0
+    labels = json.loads((out / "labels.json").read_text())
+    assert labels["storage_shape"] == [18, 18]
+    skipped = json.loads((out / "skipped_images.json").read_text())
+    assert skipped["train"] == [{"image": str(broken), "problem": "unreadable"}]
+    assert "train: 1 unreadable image(s) replaced in their batch" in (out / "README.md").read_text()
+
+
+def test_jpeg_draft_decoding_covers_the_storage_size(tmp_path):
+    """A large JPEG is decoded at a reduced DCT scale only where the result still covers the storage size."""
+    from vit_recipes.images import decode_to_chw
+
+    big = tmp_path / "big.jpg"
+    PILImage.fromarray(np.random.default_rng(0).integers(0, 255, (1200, 1600, 3), np.uint8)).save(big, quality=90)
+    array, done = decode_to_chw(str(big), 256, 256)
+    assert array.shape == (3, 256, 256) and done == "resized"
+    assert storage_format(datasets.Dataset.from_dict({"image": [str(big)]}), "image", 224, None).shape == (256, 256)

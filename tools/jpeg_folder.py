@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Write an ImageNet-shaped folder of JPEG photos: the data users bring, for benchmarks and tests (no download).
+
+    python tools/jpeg_folder.py data/jpegs --images 60000 --classes 100        # ~2.7 GB, train/ and validation/
+    python tools/jpeg_folder.py /tmp/small --images 200 --classes 4 --min-side 64 --max-side 96
+
+FOLDER/train/<class>/<n>.jpg and FOLDER/validation/<class>/<n>.jpg (--validation of the images; 5% by default), as
+`datasets`' imagefolder and transformers' example read them. Each image is 400-520 x 300-420 px (ImageNet's typical
+sizes; --min-side/--max-side scale both) at JPEG quality 90: a smooth random colour field, so the files compress as
+photos do (~45 KB each), with a class-coloured shape a model can learn. Seeded: the same arguments write the same
+bytes. Written by every core (--workers).
+"""
+
+import argparse
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+
+def image(index: int, label: int, classes: int, seed: int, sides: tuple[int, int]) -> Image.Image:
+    rng = np.random.default_rng([seed, index])
+    low, high = sides
+    width = int(rng.integers(low, high + 1))
+    height = int(rng.integers(round(low * 0.75), round(high * 0.81) + 1))
+    field = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)  # upsampled: smooth, like a photo's large areas
+    picture = Image.fromarray(field).resize((width, height), Image.Resampling.BICUBIC)
+    hue = np.array([(label * 97) % 256, (label * 53 + 80) % 256, (label * 31 + 160) % 256])
+    box = rng.uniform(0.15, 0.45, 2) * (width, height)
+    x0, y0 = rng.uniform(0, 1, 2) * ((width, height) - box)
+    ImageDraw.Draw(picture).ellipse([x0, y0, x0 + box[0], y0 + box[1]], fill=tuple(int(v) for v in hue))
+    return picture
+
+
+def write_one(task: tuple) -> int:
+    path, index, label, classes, seed, sides = task
+    picture = image(index, label, classes, seed, sides)
+    picture.save(path, format="JPEG", quality=90)
+    return path.stat().st_size
+
+
+def write_folder(root: Path, images: int, classes: int, validation: float = 0.05, seed: int = 0,
+                 sides: tuple[int, int] = (400, 520), workers: int | None = None) -> int:  # fmt: skip
+    """Write the folder; returns its size in bytes."""
+    tasks = []
+    held_out = max(classes, round(images * validation))
+    for index in range(images):
+        label = index % classes
+        split = "validation" if index < held_out else "train"
+        folder = root / split / f"class_{label:04d}"
+        tasks.append((folder / f"{index:08d}.jpg", index, label, classes, seed, sides))
+    for folder in {task[0].parent for task in tasks}:
+        folder.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(workers or os.cpu_count()) as pool:
+        return sum(pool.map(write_one, tasks, chunksize=64))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--images", type=int, default=60000)
+    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--validation", type=float, default=0.05, help="share of the images in validation/")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-side", type=int, default=400, help="narrowest image width")
+    parser.add_argument("--max-side", type=int, default=520, help="widest image width")
+    parser.add_argument("--workers", type=int, default=None)
+    args = parser.parse_args()
+    size = write_folder(args.folder, args.images, args.classes, args.validation, args.seed,
+                        (args.min_side, args.max_side), args.workers)  # fmt: skip
+    print(f"wrote {args.images} JPEGs ({size / 2**30:.2f} GiB) in {args.classes} classes to {args.folder}")
+
+
+if __name__ == "__main__":
+    main()
