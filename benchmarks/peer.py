@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -65,7 +66,9 @@ logger = logging.getLogger("peer")
 @dataclass
 class PeerArguments:
     model_name_or_path: str = field(metadata={"help": "Checkpoint folder or Hub id."})
-    dataset_name: str = field(metadata={"help": "Dataset folder or Hub id, for datasets.load_dataset."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Dataset folder or Hub id (load_dataset)."})
+    train_dir: str | None = field(default=None, metadata={"help": "An imagefolder's train folder (the example's)."})
+    validation_dir: str | None = field(default=None, metadata={"help": "An imagefolder's validation folder."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
     image_column_name: str | None = field(default=None, metadata={"help": "Default: the dataset's Image column."})
     label_column_name: str | None = field(default=None, metadata={"help": "Default: the dataset's ClassLabel column."})
@@ -218,7 +221,13 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.set_verbosity(training.get_process_log_level())
 
     start = time.perf_counter()
-    dataset = load_dataset(args.dataset_name, args.dataset_config_name)
+    if args.dataset_name:
+        dataset = load_dataset(args.dataset_name, args.dataset_config_name)
+    else:  # the example's --train_dir/--validation_dir: imagefolder with explicit data files
+        data_files = {"train": os.path.join(args.train_dir, "**")}
+        if args.validation_dir:
+            data_files["validation"] = os.path.join(args.validation_dir, "**")
+        dataset = load_dataset("imagefolder", data_files=data_files)
     if "validation" not in dataset and args.train_val_split > 0:
         split = dataset["train"].train_test_split(args.train_val_split)
         dataset["train"], dataset["validation"] = split["train"], split["test"]

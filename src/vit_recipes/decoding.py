@@ -117,7 +117,7 @@ def copy_size(rows: int, shape: tuple[int, int]) -> int:
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    return next(f"{n / 2**p:.{d}f} {u}" for p, d, u in ((30, 1, "GiB"), (20, 0, "MiB"), (0, 0, "B")) if n >= 2**p or u == "B")
 
 
 def check_cache_room(folder: Path, needed: int) -> None:
