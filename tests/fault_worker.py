@@ -60,9 +60,9 @@ elif point == "checkpoint_model":
 elif point == "checkpoint_optimizer":
     kill_around(Trainer, "_save_rng_state", before=True, when=at_step)
 elif point == "checkpoint_state":
-    import vit_recipes.trainer
+    import vit_recipes.checkpoint_io
 
-    kill_around(vit_recipes.trainer, "write_loss_record", before=True, when=lambda *a: a[2] == step)
+    kill_around(vit_recipes.checkpoint_io, "write_loss_record", before=True, when=lambda *a: a[2] == step)
 elif point == "final_save":
     # the final save writes into output_dir itself; checkpoints write into checkpoint-N
     kill_around(Trainer, "_save", before=False, when=lambda self, out=None, *a: out in (None, self.args.output_dir))

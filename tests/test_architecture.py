@@ -8,11 +8,12 @@ from conftest import ROOT
 PACKAGE = ROOT / "src" / "vit_recipes"
 # Bottom to top, as docs/architecture.md draws them.
 LAYERS = [
-    {"metrics", "classifiers", "plots", "timeline"},  # import nothing of the package
+    {"metrics", "classifiers", "plots", "timeline", "swap", "lazy_deepspeed"},  # import nothing of the package
     {"errors", "strategies", "images", "transforms", "patch_embedding", "flops", "meter", "interrupt"}
     | {"reports", "__init__"},
-    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers", "figures", "folder_index"},
-    {"data", "memory", "lora"},
+    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers", "figures", "folder_index"}
+    | {"batches", "loss", "stopping"},
+    {"data", "memory", "lora", "checkpoint_io"},
     {"checks", "modeling", "card", "observability", "decoding"},
     {"plan", "adapters"},
     {"trainer"},
@@ -80,15 +81,76 @@ def test_every_row_of_the_reliability_table_names_a_test_that_exists():
 
 def test_unwrapping_a_model_does_not_import_deepspeed(monkeypatch):
     """accelerate's unwrap, which the Trainer calls, imports DeepSpeed to check for its engine (0.5 s of each run):
-    vit_recipes.trainer makes it check only once deepspeed is imported, as no engine exists before."""
+    vit_recipes.lazy_deepspeed makes it check only once deepspeed is imported, as no engine exists before."""
     import sys
 
     import torch
     from accelerate.utils import extract_model_from_parallel
 
-    import vit_recipes.trainer  # noqa: F401  where the check is replaced
+    import vit_recipes.trainer  # noqa: F401  imports vit_recipes.lazy_deepspeed, where the check is replaced
 
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
         monkeypatch.delitem(sys.modules, name)
     model = torch.nn.Linear(2, 2)
     assert extract_model_from_parallel(model) is model and "deepspeed" not in sys.modules
+
+
+def test_accelerates_unwrap_still_asks_for_deepspeed_through_the_name_we_replace():
+    """The upstream shape vit_recipes.lazy_deepspeed relies on: accelerate's unwrap reads `is_deepspeed_available`
+    from its module's globals and imports deepspeed when it answers yes. Fails when accelerate changes either: the
+    patch then does nothing (find the new place) or is no longer needed (delete it)."""
+    import inspect
+
+    import accelerate.utils.imports
+    import accelerate.utils.other
+
+    from vit_recipes import lazy_deepspeed
+
+    unwrap = accelerate.utils.other.extract_model_from_parallel
+    assert "is_deepspeed_available" in unwrap.__code__.co_names
+    assert unwrap.__globals__ is vars(accelerate.utils.other)
+    assert "from deepspeed import DeepSpeedEngine" in inspect.getsource(unwrap)
+    assert accelerate.utils.other.is_deepspeed_available is lazy_deepspeed.deepspeed_imported_and_installed
+    assert lazy_deepspeed._installed is accelerate.utils.imports.is_deepspeed_available  # accelerate's own answer
+
+
+def test_no_class_or_function_of_the_package_runs_over_120_lines():
+    """A responsibility grows into its own module or class (the Trainer's mixins), not into one long body."""
+    long = []
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                if node.end_lineno - start + 1 > 120:
+                    long.append(f"{path.name}:{node.name} ({node.end_lineno - start + 1} lines)")
+    assert not long, long
+
+
+def test_run_code_patches_no_field_with_a_test_framework():
+    """unittest.mock belongs to tests: a field swapped around an upstream call uses vit_recipes.swap.swapped."""
+    users = []
+    for path in [*PACKAGE.glob("*.py"), ROOT / "run_image_classification.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                users += [path.name for n in names if n.split(".")[0] in ("unittest", "pytest")]
+    assert users == []
+
+
+def test_a_swapped_field_is_restored_however_the_block_ends():
+    import types
+
+    import pytest
+
+    from vit_recipes.swap import swapped
+
+    args = types.SimpleNamespace(dataloader_drop_last=True)
+    with swapped(args, "dataloader_drop_last", False):
+        assert args.dataloader_drop_last is False
+    assert args.dataloader_drop_last is True
+    with pytest.raises(KeyError), swapped(args, "dataloader_drop_last", False):
+        raise KeyError
+    assert args.dataloader_drop_last is True
+    with pytest.raises(AttributeError), swapped(args, "renamed_upstream", 1):  # not a new field nothing reads
+        pass
+    assert not hasattr(args, "renamed_upstream")

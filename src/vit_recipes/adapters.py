@@ -5,7 +5,6 @@ import json
 import logging
 import os
 from pathlib import Path
-from unittest import mock
 
 import torch
 from torch import nn
@@ -14,6 +13,7 @@ from .arguments import ModelArguments
 from .errors import RecipeError
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, adapter_base, attach_adapter, is_adapter_dir
 from .modeling import FinetuneSetup, build_model
+from .swap import swapped
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def without_activation_wrappers(model: nn.Module):
     """Activation-checkpoint wrappers out of the module tree: they rename modules: peft would save the head alone."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-    swapped = []
+    wrapped = []
     for parent in list(model.modules()):
         if isinstance(parent, ActivationWrapper):
             continue
@@ -45,12 +45,12 @@ def without_activation_wrappers(model: nn.Module):
             while isinstance(inner, ActivationWrapper):  # offload_wrapper(checkpoint_wrapper(layer)) nests two
                 inner = inner._checkpoint_wrapped_module
             if inner is not child:
-                swapped.append((parent, name, child))
+                wrapped.append((parent, name, child))
                 setattr(parent, name, inner)
     try:
         yield model
     finally:
-        for parent, name, child in reversed(swapped):
+        for parent, name, child in reversed(wrapped):
             setattr(parent, name, child)
 
 
@@ -132,7 +132,7 @@ def save_final_model(trainer, setup: FinetuneSetup) -> None:
         check_saved_adapter(output_dir, trainer.model)
         write_base_record(output_dir, setup)
     if trainer.is_world_process_zero() and setup.merge_adapter:  # the adapter becomes a plain model: base + update
-        with mock.patch.object(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None):  # the base whole, even in ZeRO-3
+        with swapped(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None):  # the base whole, even in ZeRO-3
             base, _ = build_model(setup.base_args, setup.label_names)
             adapter = attach_adapter(base, output_dir, base_source=setup.base_args.model_name_or_path)
             merged = adapter.merge_and_unload()

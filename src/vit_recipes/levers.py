@@ -103,3 +103,44 @@ class WeightAverage(TrainerCallback):
         logger.warning(
             "--ema_decay %g: the model is now the weight average; it is what is evaluated and saved", self.decay
         )
+
+
+class AppliesLevers:
+    """Mixin for `transformers.Trainer`: `--layer_decay`'s parameter groups and `--ema_decay`'s weight average.
+
+    The Trainer builds one learning rate for all parameters and knows no weight average. Placed before
+    checkpoint_io.CheckpointFiles in the class's bases: its `save_checkpoint_extras` adds the average to each checkpoint.
+    """
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.ema = WeightAverage(self.args.ema_decay) if getattr(self.args, "ema_decay", 0) else None
+        if self.ema is not None:
+            self.add_callback(self.ema)
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        # Extends: the average restored before a resumed loop, copied into the model after a finished one (an
+        # interrupted run raises before: its model stays the trained weights, checkpointed with their average).
+        if self.ema is not None and resume_from_checkpoint:
+            self.ema.load(resume_from_checkpoint, self.model)
+        output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        if self.ema is not None and self.ema.average is not None:
+            self.ema.copy_to(self.model)
+        return output
+
+    def save_checkpoint_extras(self, folder: str) -> None:
+        if self.ema is not None:
+            self.ema.save(folder)
+        super().save_checkpoint_extras(folder)
+
+    def create_optimizer(self, model=None):
+        # Extends: with --layer_decay, the Trainer's optimizer class and settings, on our parameter groups.
+        decay = getattr(self.args, "layer_decay", 1.0)
+        if self.optimizer is None and decay < 1:
+            model = model if model is not None else self.model
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            groups = layer_decay_groups(
+                model, decay, self.args.learning_rate, self.args.weight_decay, self.get_decay_parameter_names(model)
+            )
+            self.optimizer_cls_and_kwargs = (cls, {**kwargs, "params": groups})  # "params": the Trainer's override
+        return super().create_optimizer(model)
