@@ -40,6 +40,7 @@ from vit_recipes.steps import (
     train,
     write_run_reports,
 )
+from vit_recipes.streaming import is_stream, plan_stream_steps, stream_rows
 from vit_recipes.timeline import Timeline
 
 
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 6. Trainer: regional compilation where it pays (steps known now, and a warm compile cache; so is a warm-up
     #    longer than the run), device transforms, metrics, speed meter, trackers, profiler; DeepSpeed/FSDP set-up.
-    steps = planned_steps(training, len(splits.train), plan.global_batch) if training.do_train else 0
+    if is_stream(splits.train):  # counted in steps: the length its metadata gives, else --max_steps
+        plan_stream_steps(training, splits.train.rows, plan.global_batch)
+    steps = planned_steps(training, stream_rows(splits.train), plan.global_batch) if training.do_train else 0
     compiled = decide_compile(plan, args, steps, model)
     warn_if_warmup_outlasts_the_run(training, steps)
     trainer, meter = build_trainer(args, plan, model, splits, finetune, image_size, mean, std)

@@ -14,6 +14,7 @@ LAYERS = [
     {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers", "figures", "folder_index"}
     | {"batches", "loss", "stopping"},
     {"data", "memory", "lora", "checkpoint_io"},
+    {"streaming"},
     {"checks", "modeling", "card", "observability", "decoding"},
     {"plan", "adapters"},
     {"trainer"},

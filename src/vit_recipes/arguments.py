@@ -119,6 +119,15 @@ class DataArguments:
         "first step in seconds) or 'auto' (once when the images are no larger than the model's input, else per "
         "batch). docs/usage.md#how-images-are-decoded.",
     )
+    streaming: bool = _arg(
+        False,
+        "Train from a stream (a datasets IterableDataset) instead of a prepared copy: for a dataset larger than the "
+        "disk (a Hub dataset, or local parquet/arrow/WebDataset shards). Each rank reads its own shards; checkpoints "
+        "save the stream's position. Validation and test are read whole. docs/usage.md#streaming.",
+    )
+    shuffle_buffer_size: int = _arg(
+        1000, "--streaming: images in the shuffle buffer that mixes each rank's stream (shard order is shuffled too)."
+    )
     preprocessing_num_workers: int | None = _arg(
         help_text="Processes decoding images once into the cache (default: all cores).", default_factory=os.cpu_count
     )
@@ -561,6 +570,14 @@ def validate_arguments(args: RunArguments) -> None:
         )
     if data.decode_images not in ("auto", "once", "per_batch"):
         raise RecipeError(f"decode_images must be auto, once or per_batch, got {data.decode_images!r}")
+    if data.streaming:  # a stream has no rows to count, sample or weigh before training, and no copy to decode into
+        refused = {"--decode_images once": data.decode_images == "once", "--max_train_samples": data.max_train_samples,
+                   f"--class_weights {aug.class_weights}": aug.class_weights != "none",
+                   "--problem_type multi_label_classification": data.problem_type == "multi_label_classification"}  # fmt: skip
+        if asked := [flag for flag, on in refused.items() if on]:
+            raise RecipeError(f"--streaming cannot be combined with {asked[0]} (a stream is read once, in order)")
+        if data.shuffle_buffer_size < 0:
+            raise RecipeError(f"shuffle_buffer_size must be >= 0, got {data.shuffle_buffer_size}")
     if not (data.storage_size is None or data.storage_size > 0):
         raise RecipeError(f"storage_size must be > 0, got {data.storage_size}")
     if aug.auto_augment not in ("none", "randaugment", "trivialaugment"):

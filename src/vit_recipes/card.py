@@ -275,7 +275,8 @@ def _versions(strategy, lora: bool) -> dict[str, str]:
 
 def _limitations(splits, dataset: str, evaluated: str | None) -> list[str]:
     count = len(splits.label_names)
-    trained = f"{len(splits.train):,} images of {dataset}" if splits.train else dataset
+    rows = getattr(splits.train, "rows", None) if hasattr(splits.train, "part") else len(splits.train or [])
+    trained = (f"{rows:,} images of {dataset}" if rows else f"a stream of {dataset}") if splits.train else dataset
     split = getattr(splits, evaluated, None) if evaluated else None
     scope = f"evaluated on its {evaluated} split ({len(split):,} images)" if split else "not evaluated"
     answers = f"It always answers with one of its {count} classes, also for an image that shows none of them."

@@ -396,7 +396,7 @@ def balanced_sample_weights(splits: ImageSplits) -> torch.Tensor:
 
 def imbalance(splits: ImageSplits) -> tuple[int, int] | None:
     """(fewest, most) training images per class when the most is over 1.5x the fewest; None when balanced enough."""
-    if splits.multi_label or not splits.train:
+    if splits.multi_label or not isinstance(splits.train, Dataset):  # none, or a stream (not counted ahead)
         return None
     counts = class_counts(splits)
     return (int(counts.min()), int(counts.max())) if counts.max() > 1.5 * counts.min() else None

@@ -9,6 +9,7 @@ Two paths, chosen per dataset (`choose_decoding`, said in one log line):
 """
 
 import errno
+import itertools
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from datasets import Dataset, Value
 from .data import LABELS, PIXELS, ImageSplits
 from .errors import RecipeError
 from .images import decode_to_chw, probe, white_level
+from .streaming import is_stream
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +119,9 @@ def copy_size(rows: int, shape: tuple[int, int]) -> int:
 
 
 def _size(n: float) -> str:
-    return next(f"{n / 2**p:.{d}f} {u}" for p, d, u in ((30, 1, "GiB"), (20, 0, "MiB"), (0, 0, "B")) if n >= 2**p or u == "B")
+    return next(
+        f"{n / 2**p:.{d}f} {u}" for p, d, u in ((30, 1, "GiB"), (20, 0, "MiB"), (0, 0, "B")) if n >= 2**p or u == "B"
+    )
 
 
 def check_cache_room(folder: Path, needed: int) -> None:
@@ -245,8 +249,12 @@ def decode_splits(
 def prepare_images(splits: ImageSplits, image_size: int, data_args) -> ImageSplits:
     """Choose how this dataset's images reach the DataLoader (module docstring), say which and why, and do it."""
     reference = splits.train or splits.validation or splits.test
+    if is_stream(reference):  # its first images, read from this rank's first shard
+        reference = Dataset.from_list(list(itertools.islice(reference.part, 64)), features=reference.part.features)
     storage = storage_format(reference, splits.image_column, image_size, data_args.storage_size)
     decode, why = choose_decoding(data_args.decode_images, storage)
+    if is_stream(splits.train):
+        decode, why = "per_batch", "--streaming"
     height, width = storage.shape
     if decode == "once":
         rows = sum(len(d) for d in splits.present().values())

@@ -38,6 +38,7 @@ from .plan import RunPlan, remember_compiled
 from .plots import write_plots
 from .reports import write_reports
 from .run_dir import LOSS_RECORD, read_loss_record, record_run
+from .streaming import load_stream_splits, stream_rows
 from .trainer import ImageClassificationTrainer
 from .transforms import build_mixup, build_transforms
 
@@ -67,15 +68,18 @@ def load_data(args: RunArguments) -> ImageSplits:
         config = load_config(args.model.model_name_or_path, args.model.cache_dir, args.model.model_revision)
         return labels_of_model(args.model.model_name_or_path, config)
     training = args.training
-    splits = load_splits(args.data, training.seed, args.model.cache_dir, need_train=training.do_train)
+    if args.data.streaming and training.do_train:
+        splits = load_stream_splits(args.data, training, args.model.cache_dir)
+    else:
+        splits = load_splits(args.data, training.seed, args.model.cache_dir, need_train=training.do_train)
     batch = training.per_device_train_batch_size * training.world_size
-    if training.do_train and splits.train is not None and batch > len(splits.train):
+    if training.do_train and splits.train is not None and batch > (stream_rows(splits.train) or batch):
         raise RecipeError(
             f"per_device_train_batch_size {training.per_device_train_batch_size} x {training.world_size} process(es) "
-            f"is {batch:,} images a step, more than the {len(splits.train):,} training images: lower "
+            f"is {batch:,} images a step, more than the {stream_rows(splits.train):,} training images: lower "
             "--per_device_train_batch_size"
         )
-    sizes = ", ".join(f"{n} {len(d)}" for n, d in splits.present().items())
+    sizes = ", ".join(f"{n} {stream_rows(d) or 'a stream of'}" for n, d in splits.present().items())
     kind = f"{'multi' if splits.multi_label else 'single'}-label classification"
     logger.info(
         f"Dataset {args.data.dataset_name}: {len(splits.label_names)} classes ({splits.label_source}), {kind}; {sizes}"

@@ -16,10 +16,12 @@ from .checkpoint_io import CheckpointFiles
 from .levers import AppliesLevers
 from .loss import ClassificationLoss, LossOnTheDevice, WindowMeans
 from .stopping import StopsCleanly
+from .streaming import StreamedBatches
 
 
 class ImageClassificationTrainer(
     AppliesLevers,  # --layer_decay's groups, --ema_decay's average (levers.py)
+    StreamedBatches,  # --streaming: this rank's loader of its stream, its position in checkpoints (streaming.py)
     CheckpointFiles,  # checkpoints complete or absent, read strictly (checkpoint_io.py)
     StopsCleanly,  # no step past the last, a checkpoint on a signal (stopping.py)
     LossOnTheDevice,  # the NaN/inf rule without a sync per step; the run's loss sum (loss.py)

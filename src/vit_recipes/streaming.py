@@ -1,0 +1,281 @@
+"""--streaming: train on a dataset larger than the disk, read as a `datasets` IterableDataset (a Hub dataset, or local
+parquet/arrow/WebDataset shards or image folders); validation and test stay map-style (small, and scored whole).
+
+- Each rank reads its own part (`split_dataset_by_node`: whole shards when their count divides by the ranks, else
+  every rank reads all and keeps its share), and the DataLoader workers split that part by shard.
+- The stream repeats: each rank starts its next epoch (a reshuffled shard order and buffer) where its data ends, so
+  ranks with unequal shards never wait at an epoch end that only some of them reached. The run is counted in steps.
+- Its position is the DataLoader's state (torchdata's StatefulDataLoader asks each worker's dataset for it), saved
+  per rank in every checkpoint; a resumed run reads past the images before it without decoding them (the
+  Trainer's own resume would decode every skipped batch) and then sees what the uninterrupted run saw.
+"""
+
+import functools
+import logging
+import math
+import os
+from pathlib import Path
+
+import datasets
+import torch
+from datasets.distributed import split_dataset_by_node
+
+from .data import LABELS, VALIDATION_SPLITS, ImageSplits, find_column, resolve_source, sample
+from .errors import RecipeError
+from .folder_index import DATA_BUILDERS, index_folder, load_folder
+from .interrupt import worker_ignores_stop_signals
+from .swap import swapped
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "stream_state_rank{rank}.pt"  # in a checkpoint: one rank's DataLoader state
+
+
+class RankStream(torch.utils.data.IterableDataset):
+    """This rank's part of a streamed split, repeated without end (module docstring); epoch e shuffles with seed+e.
+
+    Its position is (epoch, rows read this epoch), per DataLoader worker: a worker's rows are the same every time
+    (datasets gives worker i the same shards, the buffer shuffles with a fixed seed), so a resumed worker reads past
+    as many rows, without decoding them, and goes on exactly where it stopped, buffer included. (datasets' own
+    `state_dict` loads a worker's state into the stream before splitting it between workers, which fails for a
+    shuffled stream; and it drops the shuffle buffer's images.) Each epoch builds its own shuffled stream, so no
+    epoch counter is shared between workers (datasets' `set_epoch` keeps one in shared memory).
+    """
+
+    def __init__(self, stream: datasets.IterableDataset, rank: int, world_size: int, seed: int, buffer: int,
+                 rows: int | None = None):  # fmt: skip
+        super().__init__()
+        self.part = split_dataset_by_node(stream, rank=rank, world_size=world_size)
+        self.rank, self.world_size, self.seed, self.buffer = rank, world_size, seed, buffer
+        self.rows = rows  # images in the whole stream, where its metadata says (else None)
+        self.epoch, self.position, self._skip = 0, 0, 0
+
+    @property
+    def num_shards(self) -> int:
+        return self.part.num_shards
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        while True:
+            stream = self.part.shuffle(seed=self.seed + self.epoch, buffer_size=max(1, self.buffer))
+            self.position = 0
+            for row in stream:
+                self.position += 1
+                if skip:  # resuming: read past what the checkpointed run had read (no decoding: the collator does it)
+                    skip -= 1
+                    continue
+                yield row
+            if self.position == 0:  # this worker holds no shard (more workers than shards), or the stream is empty
+                return
+            self.epoch += 1
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "world_size": self.world_size, "rank": self.rank}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self._skip = state["epoch"], state["position"]
+
+
+def is_stream(dataset) -> bool:
+    return isinstance(dataset, RankStream)
+
+
+def stream_rows(stream) -> int | None:
+    return stream.rows if is_stream(stream) else len(stream)
+
+
+def plan_stream_steps(training, rows: int | None, global_batch: int) -> None:
+    """A stream is counted in steps: --max_steps, else epochs x images / batch where the dataset's metadata counts its
+    images; epoch-based evaluation and saving become every epoch's steps (the Trainer sees no epoch end)."""
+    if training.max_steps <= 0:
+        if not rows:
+            raise RecipeError(
+                "--streaming: the dataset does not say how many training images it has; pass --max_steps (and "
+                "--eval_steps/--save_steps for evaluation and checkpoints)"
+            )
+        training.max_steps = math.ceil(training.num_train_epochs * max(1, rows // global_batch))
+        logger.warning(
+            "--streaming: %d steps (%g epoch(s) of %d images at %d a step)", training.max_steps,
+            training.num_train_epochs, rows, global_batch,
+        )  # fmt: skip
+    per_epoch = max(1, rows // global_batch) if rows else None
+    for kind in ("eval", "save"):
+        strategy = getattr(training, f"{kind}_strategy")
+        if str(getattr(strategy, "value", strategy)) != "epoch":
+            continue
+        if per_epoch is None:
+            raise RecipeError(
+                f"--streaming with --{kind}_strategy epoch: the stream's epoch length is unknown; pass "
+                f"--{kind}_strategy steps --{kind}_steps N"
+            )
+        setattr(training, f"{kind}_strategy", "steps")
+        setattr(training, f"{kind}_steps", per_epoch)
+        logger.warning("--streaming: --%s_strategy epoch becomes every %d steps (one epoch)", kind, per_epoch)
+
+
+class StreamedBatches:
+    """Mixin for `transformers.Trainer`: a streamed train split (RankStream) is read by a torchdata StatefulDataLoader
+    that this rank owns, and its position is saved in every checkpoint and restored on resume.
+
+    Replaces, for streams only: accelerate's preparation of the train loader (for an IterableDataset it reads the
+    stream on rank 0 and broadcasts each batch, or has every rank read the whole stream and keep every n-th batch:
+    either way one rank's reading for all), and the Trainer's resume, which re-reads the batches before the step.
+    """
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._stream_state = None  # this rank's saved DataLoader state, loaded into the next train loader
+        self._stream_loader = None
+
+    def get_train_dataloader(self):
+        if not is_stream(self.train_dataset):
+            return super().get_train_dataloader()
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        t = self.args
+        workers = min(t.dataloader_num_workers, self.train_dataset.num_shards)
+        if workers < t.dataloader_num_workers:
+            logger.warning(
+                "--streaming: %d DataLoader worker(s) on this rank, one per shard of its %d (more would idle): split "
+                "the dataset into more files for more", workers, self.train_dataset.num_shards,
+            )  # fmt: skip
+        loader = StatefulDataLoader(
+            self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator, num_workers=workers,
+            pin_memory=t.dataloader_pin_memory, drop_last=True, prefetch_factor=t.dataloader_prefetch_factor if workers else None,
+            worker_init_fn=functools.partial(worker_ignores_stop_signals, None) if workers else None,
+        )  # fmt: skip
+        if self._stream_state is not None:
+            loader.load_state_dict(self._stream_state)
+            self._stream_state = None
+        self._stream_loader = loader
+        return loader
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        if not (is_stream(self.train_dataset) and resume_from_checkpoint):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        path = os.path.join(resume_from_checkpoint, STATE_FILE.format(rank=self.args.process_index))
+        state = torch.load(path, weights_only=False) if os.path.isfile(path) else None
+        if state is None or state.get("world_size") != self.args.world_size:
+            logger.warning(
+                "--streaming: %s holds no stream position for %d process(es): the stream starts over (the images "
+                "already seen this epoch are seen again)", resume_from_checkpoint, self.args.world_size,
+            )  # fmt: skip
+        else:
+            self._stream_state = state["loader"]
+        # The Trainer would skip the steps done by reading them again: the loader's state starts after them instead.
+        with swapped(self.args, "ignore_data_skip", True):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        if self._stream_loader is not None:  # every rank its own, before the checkpoint is marked complete
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            state = {"loader": self._stream_loader.state_dict(), "world_size": self.args.world_size}
+            torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.args.process_index)))
+        return super()._save_checkpoint(model, trial)
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+def _streams(source: str, config_name: str | None, cache_dir: str | None) -> dict:
+    """Every split of a dataset as a stream: a Hub id streamed from the Hub, a local folder's shards from disk (its
+    files indexed in one walk, folder_index.py); a folder of images alone is its table of paths, made iterable."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return dict(datasets.load_dataset(source, config_name, streaming=True, cache_dir=cache_dir))
+    if path.is_file():
+        builder = DATA_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise RecipeError(f"--streaming reads a Hub dataset or a folder of shards, not {path}")
+        return {"train": datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)}
+    index = index_folder(path.resolve())
+    suffixes = {os.path.splitext(f)[1].lower() for f in index.files}
+    data = suffixes & set(DATA_BUILDERS)
+    if len({DATA_BUILDERS[s] for s in data}) == 1 and not suffixes & {".jpg", ".jpeg", ".png"}:
+        builder = DATA_BUILDERS[data.pop()]
+        files = {
+            s: [str(index.root / f) for f in fs if f.endswith(tuple(DATA_BUILDERS))] for s, fs in index.splits.items()
+        }
+        return dict(datasets.load_dataset(builder, data_files=files, streaming=True))
+    if suffixes & {".tar"}:
+        files = {s: [str(index.root / f) for f in fs if f.endswith(".tar")] for s, fs in index.splits.items()}
+        return dict(datasets.load_dataset("webdataset", data_files=files, streaming=True))
+    table = load_folder(path, cache_dir)  # images: a table of paths (nothing copied), streamed in 64 shards
+    return {s: d.to_iterable_dataset(num_shards=min(64, len(d))) if s == "train" else d for s, d in table.items()}
+
+
+def _materialize(split) -> datasets.Dataset:
+    """An evaluation split, read whole (it is small): a map-style Dataset."""
+    if isinstance(split, datasets.Dataset):
+        return split
+    return datasets.Dataset.from_generator(lambda: (yield from split), features=split.features)
+
+
+def load_stream_splits(data_args, training, cache_dir: str | None = None):
+    """ImageSplits whose train is this rank's RankStream and whose validation/test are map-style (data.ImageSplits);
+    the label names from the stream's ClassLabel, else the evaluation splits' sorted values."""
+    source, preset = resolve_source(data_args.dataset_name)
+    streams = _streams(source, data_args.dataset_config_name, cache_dir)
+    train_name = data_args.train_split_name
+    if train_name not in streams:
+        raise RecipeError(f"train split '{train_name}' does not exist; splits are: {', '.join(streams)}")
+    val_name = data_args.validation_split_name or next((n for n in VALIDATION_SPLITS if n in streams), None)
+    test_name = data_args.test_split_name or ("test" if "test" in streams else None)
+    for name in (data_args.validation_split_name, data_args.test_split_name):
+        if name and name not in streams:
+            raise RecipeError(f"split '{name}' does not exist; splits are: {', '.join(streams)}")
+    train = streams[train_name]
+    features = train.features
+    if features is None:
+        raise RecipeError(f"--streaming: {source} does not say its columns; stream a dataset with typed features")
+    image_column = find_column(features, data_args.image_column_name, preset and preset.image_column, "image")
+    label_column = find_column(features, data_args.label_column_name, preset and preset.label_column, "label")
+    evaluated = {n: _materialize(streams[n]) for n in (val_name, test_name) if n}
+    if training.do_eval and not val_name:
+        raise RecipeError(
+            "--streaming needs a validation split to evaluate (--validation_split_name), or --do_eval false"
+        )
+    label = features[label_column]
+    if isinstance(label, datasets.ClassLabel):
+        names, source_kind, lookup = list(label.names), "ClassLabel", None
+    elif isinstance(label, datasets.Value) and evaluated:
+        values = sorted({v for d in evaluated.values() for v in d.unique(label_column)})
+        names, source_kind, lookup = [str(v) for v in values], "sorted values", {v: i for i, v in enumerate(values)}
+    else:
+        raise RecipeError(
+            f"--streaming: label column '{label_column}' ({label}) needs class names: a ClassLabel feature, or single "
+            "labels that the validation split lists"
+        )
+
+    def encode(row):
+        value = row[label_column]
+        if lookup is not None and value not in lookup:
+            raise RuntimeError(f"training label {value!r} is not among the validation split's labels ({names[:5]}...)")
+        return {LABELS: value if lookup is None else lookup[value]}
+
+    for name, split in evaluated.items():
+        theirs = split.features.get(label_column)
+        if isinstance(theirs, datasets.ClassLabel) and lookup is None and list(theirs.names) != names:
+            raise RecipeError(f"split '{name}' names its classes differently from train's ClassLabel: use one list")
+
+    def prepared(split):
+        split = split.select_columns([image_column, label_column]).cast_column(
+            image_column, datasets.Image(decode=False)
+        )
+        return split.map(encode, remove_columns=[label_column] if label_column != LABELS else [])
+
+    if len(names) < 2:
+        raise RecipeError(f"label column '{label_column}' has {len(names)} class(es); classification needs at least 2")
+    rows = getattr(getattr(train.info, "splits", None) or {}, "get", lambda _: None)(train_name)
+    rows = rows.num_examples if rows is not None and rows.num_examples else None
+    stream = RankStream(prepared(train), training.process_index, training.world_size, training.seed,
+                        data_args.shuffle_buffer_size, rows)  # fmt: skip
+    val, test = (prepared(evaluated[n]) if n else None for n in (val_name, test_name))
+    notes = [f"train: streamed ({stream.part.num_shards} shard(s) on this rank of {training.world_size})"]
+    if data_args.max_eval_samples:
+        val = val and sample(val, data_args.max_eval_samples, training.seed, "validation", notes)
+        test = test and sample(test, data_args.max_eval_samples, training.seed, "test", notes)
+    return ImageSplits(stream, val, test, image_column, names, source_kind, notes=notes, decode="per_batch")

@@ -1,0 +1,160 @@
+"""--streaming (src/vit_recipes/streaming.py): each rank reads its own shards of a stream that repeats, its position
+saved in checkpoints; 2 processes over gloo train an epoch of unequal shards without a hang and resume exactly."""
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, pattern_images, save_tiny_vit
+from PIL import Image as PILImage
+from safetensors.torch import load_file
+
+from vit_recipes.errors import RecipeError
+from vit_recipes.streaming import RankStream
+
+CLASSES = 4
+SHARDS = (40, 8, 24, 8)  # unequal: 2 ranks read 48 and 32 images a pass (or 64 and 16)
+
+
+def jpeg(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    PILImage.fromarray(array).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+@pytest.fixture(autouse=True)
+def _no_pause_at_the_end_of_parquet_shards(monkeypatch):
+    """datasets waits 5 s each time a stream of parquet shards ends (an Arrow threading workaround): in-process
+    tests here end many short streams."""
+    monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Hub-shaped parquet shards: data/train-0000i-of-00004.parquet of unequal sizes, and a validation shard."""
+    root = tmp_path_factory.mktemp("shards")
+    (root / "data").mkdir()
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=CLASSES)})
+    start = 0
+    for split, sizes in (("train", SHARDS), ("validation", (16,))):
+        for i, n in enumerate(sizes):
+            labels = np.arange(start, start + n) % CLASSES
+            images = pattern_images(labels, 24, seed=start)
+            rows = {"image": [{"bytes": jpeg(a), "path": None} for a in images], "label": labels.tolist()}
+            part = datasets.Dataset.from_dict(rows, features=features).add_column("n", list(range(start, start + n)))
+            part.to_parquet(str(root / "data" / f"{split}-{i:05d}-of-{len(sizes):05d}.parquet"))
+            start += n
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_of(shards: Path, rank=0, world=1, buffer=0) -> RankStream:
+    files = sorted(str(p) for p in (shards / "data").glob("train-*.parquet"))
+    stream = datasets.load_dataset("parquet", data_files={"train": files}, split="train", streaming=True)
+    return RankStream(stream.select_columns(["n"]), rank, world, seed=0, buffer=buffer)  # "n": each row's number
+
+
+def test_a_rank_stream_repeats_reshuffled_and_resumes_where_it_stopped(shards):
+    whole = stream_of(shards)
+    rows = iter(whole)
+    straight = [next(rows)["n"] for _ in range(sum(SHARDS) * 2 + 30)]
+    first_pass, second_pass = straight[: sum(SHARDS)], straight[sum(SHARDS) : 2 * sum(SHARDS)]
+    assert sorted(first_pass) == sorted(second_pass) and first_pass != second_pass  # reshuffled each pass
+    stopped = stream_of(shards)
+    rows = iter(stopped)
+    seen = [next(rows)["n"] for _ in range(sum(SHARDS) + 30)]  # into the second pass
+    state = stopped.state_dict()
+    resumed = stream_of(shards)
+    resumed.load_state_dict(state)
+    rows = iter(resumed)
+    assert seen + [next(rows)["n"] for _ in range(sum(SHARDS))] == straight
+
+
+def test_two_ranks_read_disjoint_parts_and_a_stateful_loader_resumes_exactly(shards):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    parts = [stream_of(shards, rank, 2) for rank in (0, 1)]
+    firsts = [[row["n"] for _, row in zip(range(n), p)] for p, n in zip(parts, (10, 10))]
+    assert all(len(f) == 10 for f in firsts)
+    sizes = [sum(1 for _ in p.part) for p in parts]
+    assert sum(sizes) == sum(SHARDS) and sizes[0] != sizes[1]  # unequal parts: the repetition keeps both going
+
+    def loader(stream):
+        return StatefulDataLoader(stream, batch_size=4, num_workers=2, collate_fn=lambda rows: [r["n"] for r in rows])
+
+    straight = loader(stream_of(shards, 0, 2))
+    batches = iter(straight)
+    expected = [next(batches) for _ in range(30)]  # several passes over rank 0's part
+    interrupted = loader(stream_of(shards, 0, 2))
+    batches = iter(interrupted)
+    done = [next(batches) for _ in range(13)]
+    state = interrupted.state_dict()
+    del batches
+    resumed = loader(stream_of(shards, 0, 2))
+    resumed.load_state_dict(state)
+    batches = iter(resumed)
+    assert done + [next(batches) for _ in range(17)] == expected
+
+
+def test_streaming_refuses_what_a_stream_cannot_do(tmp_path):
+    from vit_recipes.arguments import parse_args
+
+    base = ["--dataset_name", "x", "--output_dir", str(tmp_path), "--streaming", "true", "--use_cpu", "true"]
+    for extra, said in ((["--max_train_samples", "5"], "--max_train_samples"),
+                        (["--class_weights", "balanced"], "--class_weights balanced"),
+                        (["--decode_images", "once"], "--decode_images once")):  # fmt: skip
+        with pytest.raises(RecipeError, match=f"^--streaming cannot be combined with {said}"):
+            parse_args([*base, *extra])
+
+
+def test_two_processes_stream_unequal_shards_without_a_hang_and_resume_to_the_same_weights(shards, tmp_path):
+    """DDP over gloo, 2 ranks: 12 steps straight, against 6 steps then the same command to 12 (it resumes from the
+    step-6 checkpoint and its saved stream positions). No shuffle buffer: the resumed run must see the same images,
+    so its weights equal the straight run's."""
+    model = save_tiny_vit(tmp_path / "model", num_labels=CLASSES)
+
+    def command(out: Path, steps: int) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            str(ROOT / "run_image_classification.py"), "--dataset_name", str(shards), "--model_name_or_path",
+            str(model), "--output_dir", str(out), "--do_train", "true", "--streaming", "true", "--shuffle_buffer_size", "0",
+            "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", "6", "--eval_strategy", "no",
+            "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
+            "--crop_scale_min", "1", "--hflip_prob", "0", "--use_cpu", "true", "--report_to", "none",
+            "--plots", "false", "--logging_steps", "1", "--seed", "7", "--dataloader_num_workers", "2",
+        ]  # fmt: skip
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    runs = [subprocess.Popen(command(straight, 12), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True), subprocess.Popen(command(stopped, 6), cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]  # fmt: skip
+    for run in runs:
+        out, _ = run.communicate(timeout=420)
+        assert run.returncode == 0, out[-5000:]
+    assert sorted(p.name for p in (stopped / "checkpoint-6").glob("stream_state_rank*.pt")) == [
+        "stream_state_rank0.pt",
+        "stream_state_rank1.pt",
+    ]
+    resumed = subprocess.run(command(stopped, 12), cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-5000:]
+    assert "Resum" in resumed.stdout + resumed.stderr
+    state = json.loads((stopped / "trainer_state.json").read_text())
+    assert state["global_step"] == 12
+    a, b = (load_file(str(folder / "model.safetensors")) for folder in (straight, stopped))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
