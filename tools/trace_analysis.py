@@ -1,7 +1,7 @@
 """Read profiler traces (one per rank, from --profile_steps) and write a markdown report with plots.
 
-    python benchmarks/trace_analysis.py outputs/run/profiler
-    python benchmarks/trace_analysis.py runs/ddp/profiler runs/zero3/profiler --labels ddp zero3 --out cmp.md
+    python tools/trace_analysis.py outputs/run/profiler
+    python tools/trace_analysis.py runs/ddp/profiler runs/zero3/profiler --labels ddp zero3 --out cmp.md
 
 Per rank: temporal breakdown (compute / communication / idle, in ms per step and as shares), communication-
 computation overlap, time per labelled region (data, augment, forward, backward, optimizer_step), top kernels (GPU)

@@ -12,14 +12,14 @@ through run_image_classification.py, once per method:
 Each record holds test accuracy, trainable parameters, training img/s, peak memory (CUDA peak allocated on a GPU,
 the process's peak RSS on a CPU) and the size of what was saved. Target: LoRA within 1 point of full fine-tuning.
 
-    python benchmarks/transfer.py --out benchmarks/results/lora_transfer            # full size, one GPU, ~5 min
-    python benchmarks/transfer.py --size small --out outputs/lora_transfer_small     # CPU, a few minutes
-    python benchmarks/transfer.py --size small --stage pretrain --work outputs/transfer   # base for digits_lora.yaml
+    python tools/transfer.py --out outputs/lora_transfer                        # full size, one GPU, ~5 min
+    python tools/transfer.py --size small --out outputs/lora_transfer_small     # CPU, a few minutes
+    python tools/transfer.py --size small --stage pretrain --work outputs/transfer   # base for digits_lora.yaml
 
 Fashion-MNIST's idx files are read from --fashion_mnist (default /usr/share/datasets/fashion-mnist, where Debian's
 dataset-fashion-mnist package puts them).
 
-    python benchmarks/transfer.py --size small --methods full layer_decay drop_path ema random_erasing levers
+    python tools/transfer.py --size small --methods full layer_decay drop_path ema random_erasing levers
         # timm's levers on full fine-tuning (CPU): each picks its learning rate as full fine-tuning does
 
 Writes OUT/lora_transfer.json and OUT/lora_transfer.md (OUT/levers_transfer.* for levers).
@@ -56,9 +56,9 @@ FASHION_LABELS = [
     "Bag",
     "Ankle boot",
 ]
-ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ -> the repository root
+ROOT = Path(__file__).resolve().parents[1]  # tools/ -> the repository root
 SCRIPT = ROOT / "run_image_classification.py"
-sys.path.insert(0, str(ROOT / "tools"))  # tools/demo_data.py (digits, stratified splits): a script, not in the package
+sys.path.insert(0, str(ROOT / "tools"))  # tools/demo_data.py (digits, stratified splits), beside this script
 METHODS = ("full", "lora", "lora_all", "head")
 METHOD_FLAGS = {
     "full": [],
@@ -250,7 +250,7 @@ def take_subset(labels: np.ndarray, count: int, seed: int) -> np.ndarray:
 
 
 PRETRAIN_RECIPE = """\
-# Written by benchmarks/transfer.py: a small ViT trained from scratch on Fashion-MNIST, the base of the transfer check.
+# Written by tools/transfer.py: a small ViT trained from scratch on Fashion-MNIST, the base of the transfer check.
 model_name_or_path: null
 config_name: vit
 do_train: true
@@ -268,7 +268,7 @@ plots: false
 """
 
 FINETUNE_RECIPE = """\
-# Written by benchmarks/transfer.py: fine-tune the Fashion-MNIST ViT on digits (full, --use_peft or --freeze_backbone).
+# Written by tools/transfer.py: fine-tune the Fashion-MNIST ViT on digits (full, --use_peft or --freeze_backbone).
 do_train: true
 do_eval: true
 lr_scheduler_type: cosine
@@ -642,7 +642,7 @@ def run_check(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/lora_transfer", help="where the JSON and table go")
+    parser.add_argument("--out", default="outputs/lora_transfer", help="where the JSON and table go")
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--work", default=None, help="datasets, checkpoints and logs (default: OUT/work)")
     parser.add_argument("--methods", nargs="+", choices=METHODS + LEVERS, default=list(METHODS))
