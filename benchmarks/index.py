@@ -14,6 +14,7 @@ the commit whose tree still holds them and the record that replaced them.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -61,7 +62,8 @@ def read_record(folder: Path) -> dict:
 def cited() -> set[str]:
     """The record folders that README.md or docs/ link (`benchmarks/results/<name>`)."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    return {name for page in pages for name in re.findall(r"benchmarks/results/([\w.-]+)", page.read_text())}
+    found = {name for page in pages for name in re.findall(r"benchmarks/results/([\w.-]+)", page.read_text())}
+    return {name for name in found if not (RESULTS / name).is_file()}  # README.md (this index), removed.yaml
 
 
 def removed() -> list[dict]:
@@ -88,7 +90,7 @@ def render(found: list[dict], gone: list[dict], current: set[str]) -> str:
     for r in found:
         mark = "**current**" if r["name"] in current else ""
         lines.append(f"| {r.get('date', '?')} | [{_cell(r['title'])}]({r['name']}/README.md) | "
-                     f"{r.get('machine', '?')} | {_cell(r['headline'])} | {_cell(r['commit'])} | {mark} |")  # fmt: skip
+                     f"{r.get('machine', '?')} | {_cell(r['headline'])} | {_cell(r['commit'].split(' (')[0])} | {mark} |")  # fmt: skip
     if gone:
         lines += ["", "## Removed as superseded", "",
                   "Each is in git at the commit named: `git show <commit>:benchmarks/results/<record>/README.md`.", "",
@@ -107,7 +109,7 @@ def check(found: list[dict], gone: list[dict], current: set[str]) -> list[str]:
     wrong += [f"removed.yaml: {r['name']} is replaced by {r['replaced_by']}, which is no record folder"
               for r in gone if r["replaced_by"] not in names]  # fmt: skip
     if not INDEX.is_file() or INDEX.read_text() != render(found, gone, current):
-        wrong.append(f"{INDEX.relative_to(ROOT)} is out of date: run python -m benchmarks.index")
+        wrong.append(f"{os.path.relpath(INDEX, ROOT)} is out of date: run python -m benchmarks.index")
     return wrong
 
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if wrong := check(found, gone, current):
         print("\n".join(f"error: {line}" for line in wrong), file=sys.stderr)
         return 1
-    print(f"{INDEX.relative_to(ROOT)}: {len(found)} records, {len(current & {r['name'] for r in found})} current")
+    print(f"{os.path.relpath(INDEX, ROOT)}: {len(found)} records, {len(current & {r['name'] for r in found})} current")
     return 0
 
 

@@ -686,6 +686,7 @@ def test_the_index_refuses_a_record_off_the_scheme(tmp_path, monkeypatch):
     Image.effect_noise((400, 400), 100).save(good / "noise.png")  # incompressible: over 60 KB
     monkeypatch.setattr(bench_index, "RESULTS", results)
     monkeypatch.setattr(bench_index, "INDEX", results / "README.md")
+    monkeypatch.setattr(bench_index, "REMOVED", results / "removed.yaml")  # none
     monkeypatch.setattr(bench_index, "cited", lambda: {"2026-01-02_peer_1xH200", "gone"})
     assert bench_index.main([]) == 1
     index = (results / "README.md").read_text()
