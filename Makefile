@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 DEMO_DIR ?= data/digits
 DEMO_OUT ?= outputs/digits-vit
 
-.PHONY: install demo test test-gpu style quality clean
+.PHONY: install demo test test-gpu bench index style quality clean
 
 # Test files run on one worker process per core, at most 4 (pytest-xdist), each file's tests on one worker, in
 # order, so its shared fixtures are built once; each worker's torch takes its share of the cores (tests/conftest.py).
@@ -45,6 +45,15 @@ test: .installed-test
 test-gpu:
 	$(PYTHON) -c "import deepspeed, datasets, evaluate, vit_recipes" 2>/dev/null || $(PIP) install -e ".[deepspeed]"
 	$(PYTHON) benchmarks/acceptance.py $(if $(PARTS),--parts $(PARTS)) $(if $(RECORD),--record $(RECORD))
+
+# One benchmark suite (benchmarks/suites/SUITE.yaml) on this machine, into a record folder of benchmarks/results/
+# (docs/benchmarks.md); ARGS adds runner options (ARGS="--gpus 2 --only ddp"). Without SUITE: the suites and questions.
+bench:
+	$(PYTHON) -m benchmarks.run $(if $(SUITE),$(SUITE) $(ARGS),--list)
+
+# benchmarks/results/README.md, the index of the records, written again from the record folders.
+index:
+	$(PYTHON) -m benchmarks.index
 
 style: .installed-test
 	ruff format .

@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # run as a file (make test-gpu): the package and benchmarks/
 
+from benchmarks import common  # noqa: E402
 from vit_recipes.memory import AUTOCAST  # noqa: E402
 from vit_recipes.strategies import BY_NAME  # noqa: E402
 
@@ -395,7 +395,7 @@ class Suite:
         jobs_at_once = 1 if self.cpu else self.args.per_gpu * self.gpus
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs_at_once)))
         # Each job its own rendezvous port (jobs run side by side).
-        argv = [free_port_str() if a == "{port}" else a for a in job.argv]
+        argv = [str(common.free_port()) if a == "{port}" else a for a in job.argv]
         if "--num_gpus" in argv and placed and len(placed) < self.gpus:
             # DeepSpeed's launcher ignores CUDA_VISIBLE_DEVICES once --num_gpus is given: name the GPUs instead.
             i = argv.index("--num_gpus")
@@ -745,7 +745,8 @@ def build_assets(suite: Suite, parts: list[str]) -> None:
     """CIFAR-100-shaped data (4,000 train / 1,000 test PNGs), a multi-label copy, a folder of images to predict,
     random ViT-B/16 with the 100-class head in place (every run starts from the same weights) and ViT-H/14."""
     import numpy as np
-    from make_assets import CHECKPOINTS, make_dataset
+
+    from benchmarks.make_assets import CHECKPOINTS, make_dataset
 
     a = suite.assets
     if not (a / "cifar100").is_dir():
@@ -807,44 +808,24 @@ def score(models: list[Path], work: Path, cpu: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ record
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": sys.version.split()[0]}
-    for name in ("torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "evaluate",
-                 "huggingface_hub", "transformer_engine"):  # fmt: skip
-        with contextlib.suppress(PackageNotFoundError):
-            found[name] = version(name)
-    return found
-
-
 def write_record(record: Path, suite: Suite, parts: list[str], rows: list[dict], device: str, seconds: float):
     record.mkdir(parents=True, exist_ok=True)
     path = record / "acceptance.json"
     old = _json(path)
     runs = [r for r in old.get("runs", []) if not set(r["parts"]) & set(parts)]
-    # BENCH_GIT_COMMIT first: a copy of the tree on another machine may carry an older .git than its files.
-    commit = (
-        os.environ.get("BENCH_GIT_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-        or "unknown"
-    )
-    dirty = (
-        not os.environ.get("BENCH_GIT_COMMIT")
-        and subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    )
+    versions = {k: v for k, v in common.library_versions().items() if v}
     runs.append({
         "parts": parts, "device": device, "gpus": suite.gpus, "date": datetime.date.today().isoformat(),
-        "commit": commit + ("+dirty" if dirty else ""),
+        "commit": common.git_commit(short=True), "versions": versions, "wall_s": round(seconds), "checks": rows,
         "command": " ".join(["python", "benchmarks/acceptance.py", "--parts", ",".join(parts)]),
-        "versions": versions(), "wall_s": round(seconds), "checks": rows,
         "jobs": {n: j.result for n, j in suite.jobs.items()},
     })  # fmt: skip
     render(record, runs)
+    failed = sum(c["status"] == "FAIL" for r in runs for c in r["checks"])
+    common.start_readme(record, "acceptance", "Does every strategy, checkpoint path and one-GPU feature work on these "
+                        "GPUs (the definition of done)?", f"make test-gpu PARTS={','.join(parts)}",
+                        f"{failed} checks fail; every check, its detail and command: [acceptance.md](acceptance.md)",
+                        f"{suite.gpus} x {device}")  # fmt: skip
 
 
 def render(record: Path, runs: list[dict]) -> None:
@@ -920,7 +901,7 @@ def chart(suite: Suite, record: Path) -> None:
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(record / "losses.png", dpi=110, bbox_inches="tight")
+    common.save_png(fig, record / "losses.png", dpi=72)
     plt.close(fig)
 
 
@@ -930,14 +911,6 @@ def importable(name: str) -> bool:
         return True
     except Exception:
         return False
-
-
-def free_port_str() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def drop_checkpoints(work: Path) -> int:
@@ -990,8 +963,7 @@ def main() -> int:
     if gpus == 0:
         parser.error("no GPU visible: this suite proves GPU behaviour (`--cpu` checks the suite itself)")
     device = "CPU" if args.cpu else torch.cuda.get_device_name(0).replace("NVIDIA ", "")
-    record = Path(args.record or ROOT / "benchmarks/results" / f"{datetime.date.today()}_acceptance_{gpus}x"
-                  f"{device.split()[0]}")  # fmt: skip
+    record = Path(args.record or common.record_folder("acceptance", gpus, device))
     suite = Suite(args, gpus)
     suite.work.mkdir(parents=True, exist_ok=True)
     for stale in [p for p in suite.work.iterdir() if p.name != "assets"]:  # assets are kept: they take a while

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
-"""Turn benchmark records (benchmarks/run.py) into results.md and PNG charts.
+"""Turn benchmark records (benchmarks/run.py) into results.md and PNG charts; the runner calls it after a suite.
 
-    python benchmarks/report.py benchmarks/results/h200 [more folders or record files] [--out DIR]
+    python -m benchmarks.report benchmarks/results/<record> [more folders or record files] [--out DIR]
 
 Folders are searched recursively (a run's outputs/, logs/, profiler/ and runs/ are skipped).
 
@@ -25,6 +24,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root
+from benchmarks.common import save_png  # noqa: E402
 
 CHARTS = ("throughput_vs_batch.png", "memory_vs_batch.png", "time_20_steps.png")
 REQUIRED = ("name", "strategy", "gpus", "model", "per_device_batch", "precision", "metrics")
@@ -234,6 +236,15 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def summary_table(records: list[dict]) -> str:
+    """The short table of a record's README: each run's img/s (and against the peer), peak memory and status."""
+    rows = [[f"`{r['name']}`", _num(r["metrics"].get("train_images_per_second"), 0, thousands=True),
+             "–" if (ratio := peer_ratio(r, records)) is None else f"{ratio:.2f}x",
+             _num(peak_allocated(r["metrics"]), 1), r["status"] + (f": {r['error'][:80]}" if r.get("error") else "")]
+            for r in sorted(records, key=sort_key)]  # fmt: skip
+    return "\n".join(table(["run", "img/s", PEER_COLUMN, "peak GiB", "status"], rows))
+
+
 def markdown(records: list[dict], title: str, charts: list[str]) -> str:
     ok = sorted((r for r in records if r["status"] == "ok" and not r.get("cache")), key=sort_key)
     failed = sorted((r for r in records if r["status"] != "ok"), key=sort_key)
@@ -401,7 +412,7 @@ def chart_vs_batch(records: list[dict], failures: list[dict], path: Path, kind: 
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
 
 
@@ -426,7 +437,7 @@ def chart_time_20_steps(records: list[dict], path: Path) -> None:
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_title("Time for 20 steps")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
 
 

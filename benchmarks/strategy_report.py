@@ -1,6 +1,6 @@
 """The strategy report: which distributed strategy to use, from benchmark records and traces.
 
-    python benchmarks/strategy_report.py benchmarks/results --out benchmarks/STRATEGY_REPORT.md
+    python -m benchmarks.strategy_report benchmarks/results/<record> [more] --out benchmarks/results/<record>/README.md
 
 Reads every benchmark record (JSON written by benchmarks/run.py; one record or a list per file, folders searched
 recursively; other JSON is ignored: report.load_records) and, where a record has a `trace_dir` holding profiler
@@ -29,17 +29,22 @@ import argparse
 import logging
 import math
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from report import load_records  # benchmarks/report.py (this script's folder is on sys.path): one record loader
 from tqdm.auto import tqdm
-from trace_analysis import analyze  # benchmarks/trace_analysis.py
 
-from vit_recipes import strategies
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "src")]  # run as a file; tools/ holds trace_analysis
+from trace_analysis import analyze  # noqa: E402  tools/trace_analysis.py: a user's tool for --profile_steps traces
+
+from benchmarks.common import save_png  # noqa: E402
+from benchmarks.report import load_records  # noqa: E402  one record loader
+from vit_recipes import strategies  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -480,7 +485,7 @@ def chart_throughput(groups: dict[str, list[Variant]], path: Path) -> Path:
         ax.set_ylabel("images/s (best batch, all GPUs)")
         ax.set_title(f"{model}: throughput")
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     return path
 
 
@@ -500,7 +505,7 @@ def chart_memory(groups: dict[str, list[Variant]], path: Path) -> Path:
         ax.set_title(f"{model}: memory per GPU " + (f"(batch {batch}/GPU)" if batch else "(each at its best batch)"))
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     return path
 
 
@@ -529,7 +534,7 @@ def chart_breakdown(groups: dict[str, list[Variant]], runs: list[Run], path: Pat
         ax.set_title(f"{model}: step time " + (f"(batch {batch}/GPU)" if batch else "(best batch)"))
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     return path
 
 
@@ -563,7 +568,7 @@ def chart_scaling(groups: dict[str, list[Variant]], runs: list[Run], path: Path)
         else:
             ax.text(0.5, 0.5, "no baseline: no 1-GPU run at the same batch", ha="center", transform=ax.transAxes)
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     return path
 
 
@@ -578,7 +583,7 @@ def chart_mfu(groups: dict[str, list[Variant]], path: Path) -> Path:
         ax.set_ylabel("MFU (%)")
         ax.set_title(f"{model}: model FLOPs utilisation (best batch)")
     fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path)
     return path
 
 
@@ -678,7 +683,7 @@ def markdown(
     if traced:
         lines += ["## Traces", ""]
         lines += [
-            f"- {r.name}: `{r.trace['folder']}` (full report: `python benchmarks/trace_analysis.py {r.trace['folder']}`)"
+            f"- {r.name}: `{r.trace['folder']}` (full report: `python tools/trace_analysis.py {r.trace['folder']}`)"
             for r in traced
         ]
         lines.append("")
@@ -727,7 +732,7 @@ def build_report(paths: list[str | os.PathLike], out: str | os.PathLike, traces:
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description="Write the strategy report from benchmark records and traces.")
     parser.add_argument("paths", nargs="+", help="Record files or folders (searched recursively).")
-    parser.add_argument("--out", default="benchmarks/STRATEGY_REPORT.md", help="Markdown report to write.")
+    parser.add_argument("--out", required=True, help="Markdown report to write (a record's README.md).")
     parser.add_argument("--no-traces", action="store_true", help="Ignore trace_dir (no trace reading).")
     args = parser.parse_args(argv)
     out = build_report(args.paths, args.out, traces=not args.no_traces)

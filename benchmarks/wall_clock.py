@@ -1,6 +1,5 @@
-#!/usr/bin/env python
-"""The benchmark users feel: the wall clock of whole jobs, from pressing Enter to a finished model, ours against
-the peer (transformers' example script, benchmarks/peer.py) in one call on one GPU.
+"""Probe. Question: how long does a whole job take, from pressing Enter to a saved model, ours as typed against the
+peer (transformers' example script, benchmarks/peer.py), in one call on one GPU?
 
 Two jobs, each run by the peer (8 and 16 DataLoader workers) and by our script as typed, twice: cold (fresh compile
 and datasets caches: a new machine) and warm (the same command again, into a new output folder):
@@ -20,11 +19,11 @@ Each job's wall clock is measured here (process start to exit); its phases come 
 timeline every run records; the peer: start-up to the first step, train, evaluate, save), and the steady img/s and
 process start to the first step's end from the speed meter both share.
 
-    python benchmarks/make_assets.py --out bench_assets cifar100 vit-base --workers 16
-    python benchmarks/wall_clock.py --assets bench_assets --out benchmarks/results/<date>_wall_clock_1x<card>
-    python benchmarks/wall_clock.py --redraw --out ...   # the markdown and chart again from wall_clock.json
+    python -m benchmarks.wall_clock --bytecode      # makes its assets; record: results/<date>_wall_clock_1x<card>
+    python -m benchmarks.wall_clock --redraw --out RECORD   # the markdown and chart again from wall_clock.json
 
-Writes OUT/wall_clock.json, OUT/wall_clock.md and OUT/wall_clock.png; runs and logs stay in --work.
+Writes OUT/wall_clock.json, OUT/wall_clock.md, OUT/wall_clock.png and the record's README.md (its conclusion to
+write); runs and logs stay in --work.
 """
 
 from __future__ import annotations
@@ -40,10 +39,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root
+from benchmarks import common  # noqa: E402
+from benchmarks.common import ROOT, device_description, git_commit, gpu_info, library_versions  # noqa: E402
 
-from run import device_description, git_commit, gpu_info, library_versions  # noqa: E402
+QUESTION = __doc__.split("\n\n")[0].removeprefix("Probe. Question: ").replace("\n", " ")
 
 RECIPE = "recipes/vit-base/cifar100/config_full.yaml"
 JOBS = {  # job -> (our arguments after the recipe, the peer's arguments for the same work)
@@ -61,8 +61,7 @@ JOBS = {  # job -> (our arguments after the recipe, the peer's arguments for the
     ),
 }  # fmt: skip
 PEER_COMMON = ["--do_train", "true", "--bf16", "true", "--learning_rate", "1e-4", "--lr_scheduler_type", "cosine",
-               "--logging_steps", "50", "--remove_unused_columns", "false", "--ignore_mismatched_sizes", "true",
-               "--report_to", "none", "--seed", "42", "--disable_tqdm", "true"]  # fmt: skip
+               "--logging_steps", "50", "--seed", "42", "--disable_tqdm", "true"]  # fmt: skip
 # The order runs go in: what the README's table needs first, so a budget cut leaves the least important out.
 PLAN = [
     ("epoch", "peer", 16, "cold"), ("epoch", "ours", None, "cold"), ("epoch", "ours", None, "warm"),
@@ -95,8 +94,8 @@ def argv_of(run: Run, assets: Path, out: Path) -> list[str]:
     ours, peer = JOBS[run.job]
     data = ["--model_name_or_path", str(assets / "vit-base"), "--dataset_name", str(assets / "cifar100")]
     if run.who == "peer":  # the job's arguments (and --extra) last: they win
-        return [sys.executable, "benchmarks/peer.py", *data, "--output_dir", str(out), *PEER_COMMON,
-                "--dataloader_num_workers", str(run.workers), *peer]  # fmt: skip
+        peer_args = common.peer_args(str(assets / "vit-base"), str(assets / "cifar100"), str(out), run.workers)
+        return [sys.executable, *peer_args, *PEER_COMMON, *peer]
     extra = ["--torch_compile_regions", "true"] if run.who == "ours-compiled" else []
     return [sys.executable, "run_image_classification.py", "--config", RECIPE, *data, "--output_dir", str(out),
             "--report_to", "none", *ours, *extra]  # fmt: skip
@@ -110,9 +109,7 @@ def execute(run: Run, assets: Path, work: Path, timeout: float) -> None:
         shutil.rmtree(caches, ignore_errors=True)
     out = work / "runs" / run.name
     shutil.rmtree(out, ignore_errors=True)
-    env = {**os.environ, "HF_DATASETS_CACHE": str(caches / "datasets"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = common.run_env(HF_DATASETS_CACHE=str(caches / "datasets"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
     argv = argv_of(run, assets, out)
     run.command = shlex.join(argv).replace(sys.executable, "python").replace(str(assets), "$ASSETS")
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -216,14 +213,15 @@ def draw(record: dict, out: Path) -> None:
     ax.set_title(f"Where a whole job's time goes: ours and the peer, {record['device']}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="phase")
     fig.tight_layout()
-    fig.savefig(out / "wall_clock.png", dpi=120)
+    common.save_png(fig, out / "wall_clock.png")
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--assets", default="bench_assets", help="make_assets.py's folder (cifar100, vit-base)")
-    parser.add_argument("--out", required=True, help="record folder")
+    parser.add_argument("--assets", default="bench_assets", help="make_assets.py's folder (cifar100, vit-base: made "
+                        "when missing)")  # fmt: skip
+    parser.add_argument("--out", default=None, help="record folder (default results/<date>_wall_clock_1x<card>)")
     parser.add_argument("--work", default="/tmp/wall_clock", help="runs, caches and logs (not kept in git)")
     parser.add_argument("--only", default="", help="comma-separated run names (default: all, in PLAN's order)")
     parser.add_argument("--budget", type=float, default=540, help="seconds: then no run starts")
@@ -234,10 +232,14 @@ def main(argv: list[str] | None = None) -> int:
                         "at install: an image without .pyc files (PYTHONDONTWRITEBYTECODE set) recompiles torch's "
                         "modules in every process, for the peer and ours alike")  # fmt: skip
     args = parser.parse_args(argv)
-    out = Path(args.out)
+    if args.redraw and not args.out:
+        parser.error("--redraw needs --out")
+    out = Path(args.out or common.record_folder("wall_clock", 1, device_description(gpu_info())))
     if args.redraw:
         record = json.loads((out / "wall_clock.json").read_text())
     else:
+        subprocess.run([sys.executable, str(ROOT / "benchmarks/make_assets.py"), "--out", args.assets, "cifar100",
+                        "vit-base", "--workers", "16"], check=True)  # fmt: skip
         assets, work = Path(args.assets).resolve(), Path(args.work)
         runs = [Run(*entry) for entry in PLAN]
         if args.only:
@@ -255,12 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         gpus = gpu_info()
         record = {"device": device_description(gpus) if gpus else "CPU", "commit": git_commit(),
                   "date": time.strftime("%Y-%m-%d"), "versions": library_versions(),
-                  "command": "python benchmarks/wall_clock.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+                  "command": "python -m benchmarks.wall_clock " + shlex.join(argv if argv is not None else sys.argv[1:]),
                   "bytecode": bytecode, "runs": [{**asdict(r), "name": r.name} for r in runs]}  # fmt: skip
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "wall_clock.json").write_text(json.dumps(record, indent=1))
+        common.write_json(out / "wall_clock.json", record)
     write_markdown(record, out)
     draw(record, out)
+    common.start_readme(out, "wall_clock", QUESTION, record["command"], "Every job, its phases and command: "
+                        "[wall_clock.md](wall_clock.md); chart: [wall_clock.png](wall_clock.png).", record["device"])  # fmt: skip
     failed = [r["name"] for r in record["runs"] if r["exit"] not in (0, None) and not str(r["exit"]).startswith("not")]
     print(f"[wall_clock] {len(record['runs'])} runs, {len(failed)} failed {failed}; record: {out / 'wall_clock.md'}")
     return 1 if failed else 0

@@ -4,7 +4,7 @@ accelerate runs FSDP only on GPUs, but the sharding itself (torch's fully_shard 
 worker takes the FSDP plugin exactly as `accelerate launch` built it from our YAML (the FSDP_* environment), applies
 it with accelerate's own fsdp2_apply_ac + fsdp2_prepare_model to a tiny ViT, trains a few fp32 steps on its half of
 a fixed global batch, and writes what it held and the losses to <out>/rank{N}.json for the test to assert on.
-The whole script under FSDP2 is proven on GPUs (benchmarks/gpu_strategies.sh).
+The whole script under FSDP2 is proven on GPUs by the acceptance suite (benchmarks/acceptance.py).
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \\
         tests/fsdp2_cpu_worker.py MODEL_DIR OUT_DIR STEPS [lora] [--save-at K --checkpoint DIR] [--resume-from DIR]

@@ -1,8 +1,9 @@
-"""The benchmark suite: benchmarks/run.py (commands, records, failures) and benchmarks/report.py (table, charts)."""
+"""The lab: the runner (benchmarks/run.py: commands, records, failures), the report (benchmarks/report.py: table,
+charts), the record index (benchmarks/index.py), the probes and the shape of benchmarks/ itself."""
 
 from __future__ import annotations
 
-import importlib
+import ast
 import importlib.util
 import json
 import subprocess
@@ -44,25 +45,23 @@ RECORD_KEYS = {
 }
 
 
-def load_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_run = load_module("run")
-bench_report = load_module("report")
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a package of the repository, not of the install
+from benchmarks import common  # noqa: E402
+from benchmarks import index as bench_index  # noqa: E402
+from benchmarks import report as bench_report  # noqa: E402
+from benchmarks import run as bench_run  # noqa: E402
 
 
 def runner(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(BENCH / "run.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    """`python -m benchmarks.run ARGS` from the repository root, as docs/benchmarks.md types it."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.run", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)  # fmt: skip
+
+
+def suite_file(tmp_path: Path, defaults: dict, runs: list[dict], question: str = "Does it run?") -> Path:
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps({"question": question, "defaults": defaults, "runs": runs}))
+    return path
 
 
 # --------------------------------------------------------------------------------------------------- planning
@@ -118,46 +117,39 @@ def test_plan_rejects_what_cannot_run():
     assert run["name"] == "vit-base-zero2-bf16-g2-b64-ckpt"
 
 
+def suite_runs(name: str) -> list[dict]:
+    suite = bench_run.load_suite(bench_run.suite_path(name))
+    return [bench_run.normalise(r, suite["defaults"]) for r in suite["runs"]]
+
+
 def test_suites_expand():
-    defaults, runs, budget = bench_run.load_suite(str(BENCH / "suites" / "gpu_core.yaml"))
-    runs = [bench_run.normalise(r, defaults) for r in runs]
-    by_name = {r["name"]: r for r in runs}
+    by_name = {r["name"]: r for r in suite_runs("gpu_core")}
     core = by_name["vitb-core-bf16-b256"]
     assert (core["batch"], core["precision"], core["strategy"], core["gpus"]) == (256, "bf16", "single", 1)
-    assert core["steps"] >= 200 and runs[0] is core  # the core record runs first
+    assert core["steps"] >= 200 and list(by_name)[0] == core["name"]  # the core record runs first
     assert {"vitb-single-bf16-b64", "vitb-single-fp32-b256", "vith-bf16-b64", "vith-ckpt-bf16-b64"} <= set(by_name)
     assert by_name["vith-ckpt-bf16-b64"]["extra"] == ["--gradient_checkpointing", "true"]
     assert by_name["food-decode-bf16-b256"]["decode"]
 
-    sweep = [bench_run.normalise(r, {"model": "m", "dataset": "d", "gpus": 2}) for r in bench_run.sweep_runs()]
-    assert len(sweep) == 5 * 6
-    assert {r["batch"] for r in sweep} == {8, 32, 64, 128, 256}
+    sweep = suite_runs("multi_gpu_sweep")
+    assert len(sweep) == 5 * 6 and {r["batch"] for r in sweep} == {8, 32, 64, 128, 256}
     assert {(r["strategy"], r["precision"]) for r in sweep} == {
-        ("ddp", "fp32"),
-        ("ddp", "bf16"),
-        ("zero2", "bf16"),
-        ("zero3_offload", "bf16"),
-        ("fsdp2", "bf16"),
+        ("ddp", "fp32"), ("ddp", "bf16"), ("zero2", "bf16"), ("zero3_offload", "bf16"), ("fsdp2", "bf16"),
         ("zero3", "bf16"),
-    }
-    defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "multi_gpu_sweep.yaml"))
-    assert len(runs) == 30
+    }  # fmt: skip
 
-    defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "scaling.yaml"))
-    runs = [bench_run.normalise(r, defaults) for r in runs]
+    runs = suite_runs("scaling")
     assert runs[0]["strategy"] == "single" and runs[0]["gpus"] == 1  # the baseline first
     assert {(r["strategy"], r["gpus"]) for r in runs} >= {
         (s, g) for s in ("ddp", "zero2", "zero3", "fsdp2") for g in (2, 4)
     }
     assert all(r["steps"] >= 100 and r["batch"] == 256 for r in runs)
 
-    defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "traces.yaml"))
-    runs = [bench_run.normalise(r, defaults) for r in runs]
+    runs = suite_runs("traces")
     assert all("--profile_steps" in r["extra"] for r in runs)  # every record keeps traces (trace_dir)
     assert {r["model"].split("/")[-1] for r in runs} == {"vit-base", "vit-huge"}
 
-    defaults, runs, _ = bench_run.load_suite(str(BENCH / "suites" / "zero3_tuning.yaml"))
-    runs = [bench_run.normalise(r, defaults) for r in runs]
+    runs = suite_runs("zero3_tuning")
     assert len({r["name"] for r in runs}) == len(runs)
     assert {r["strategy"] for r in runs} == {"zero3", "zeropp", "fsdp2_offload"}
     leaf = bench_run.deepspeed_config(next(r for r in runs if r["name"] == "vit-base-zero3-g4-leaf"))
@@ -165,12 +157,30 @@ def test_suites_expand():
     assert leaf["zero_optimization"]["stage"] == 3  # the shipped file underneath
 
 
+def test_the_command_line_picks_a_suite_by_name_and_overrides_its_defaults(tmp_path, capsys):
+    args = bench_run.parse_cli(["multi_gpu_sweep", "--gpus", "4", "--set", "steps=7", "--set", "extra=--foo 1",
+                                "--only", "ddp", "--assets", str(tmp_path)])  # fmt: skip
+    _, runs = bench_run.plan(args)
+    assert len(runs) == 10 and all(r["gpus"] == 4 and r["steps"] == 7 and r["strategy"] == "ddp" for r in runs)
+    assert all(r["extra"] == ["--foo", "1"] and r["model"] == str(tmp_path / "vit-base") for r in runs)
+    assert bench_run.main(["no_such_suite"]) == 2
+    assert "error: no suite 'no_such_suite'" in capsys.readouterr().err
+    assert bench_run.main(["--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == len(list((BENCH / "suites").glob("*.yaml")))
+    assert not [line for line in listed if "cannot run" in line], listed
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("runs: [{model: m, dataset: d}]\n")
+    with pytest.raises(bench_run.PlanError, match="question"):
+        bench_run.load_suite(bad)
+
+
 @pytest.mark.parametrize("suite", sorted(p.name for p in (BENCH / "suites").glob("*.yaml")))
 def test_every_suite_plans(suite):
     """Each shipped suite expands into valid, uniquely named runs (a typo would otherwise surface on the GPU)."""
-    defaults, runs, budget = bench_run.load_suite(str(BENCH / "suites" / suite))
-    runs = [bench_run.normalise(r, defaults) for r in runs]
-    assert runs and len({r["name"] for r in runs}) == len(runs)
+    loaded = bench_run.load_suite(BENCH / "suites" / suite)
+    runs, budget = [bench_run.normalise(r, loaded["defaults"]) for r in loaded["runs"]], loaded.get("budget")
+    assert runs and len({r["name"] for r in runs}) == len(runs) and loaded["question"].strip().endswith("?")
     assert all(r["strategy"] in bench_run.STRATEGIES for r in runs)
     assert all(bench_run.deepspeed_config(r) for r in runs if r.get("ds_overrides"))
     assert budget is None or float(budget) > 0
@@ -204,10 +214,10 @@ def test_error_line_prefers_oom_then_the_error():
 @pytest.mark.slow
 def test_launcher_given_commit_wins_over_a_stale_git(monkeypatch):
     monkeypatch.setenv("BENCH_GIT_COMMIT", "d8404e64ee244ce7116b5ee6ebe39301d9d1687f")
-    assert bench_run.git_commit() == "d8404e64ee244ce7116b5ee6ebe39301d9d1687f"
+    assert common.git_commit() == "d8404e64ee244ce7116b5ee6ebe39301d9d1687f"
     monkeypatch.delenv("BENCH_GIT_COMMIT")
     assert (
-        bench_run.git_commit().split("-")[0]
+        common.git_commit().split("-")[0]
         == subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
     )
 
@@ -252,18 +262,18 @@ def test_per_rank_memory_keeps_peak_and_model_states_per_rank(tmp_path):
 
 
 def test_runner_records_cold_and_warm_runs_and_reports_them(cifar_like, tiny_vit, tmp_path):
+    suite = suite_file(tmp_path, {"model": str(tiny_vit), "dataset": str(cifar_like), "batch": 8, "steps": 8,
+                                  "precision": "fp32", "workers": 0, "extra": "--use_cpu true"},
+                       [{"name": "tiny", "decode": True}], "Does a tiny ViT train on the CPU?")  # fmt: skip
     results = tmp_path / "results"
-    done = runner(
-        "--model", tiny_vit, "--dataset", cifar_like, "--batch", 8, "--steps", 8, "--precision", "fp32",
-        "--workers", 0, "--decode", "--name", "tiny", "--results", results, "--", "--use_cpu", "true",
-    )  # fmt: skip
+    done = runner(suite, "--out", results)
     assert done.returncode == 0, done.stdout + done.stderr
     for phase in ("cold", "warm"):
         record = json.loads((results / f"tiny-{phase}.json").read_text())
         assert set(record) >= RECORD_KEYS
         assert record["status"] == "ok" and record["error"] is None and record["cache"] == phase
         assert (record["strategy"], record["gpus"], record["per_device_batch"], record["steps"]) == ("single", 1, 8, 8)
-        assert record["precision"] == "fp32" and record["dataset"] == cifar_like.name
+        assert record["precision"] == "fp32" and record["dataset"] == cifar_like.name and record["suite"] == "suite"
         assert set(record["metrics"]) >= METRIC_KEYS, set(record["metrics"])
         assert record["metrics"]["train_images_per_second"] > 0
         assert 0 <= record["metrics"]["train_data_wait_fraction"] <= 1
@@ -274,28 +284,27 @@ def test_runner_records_cold_and_warm_runs_and_reports_them(cifar_like, tiny_vit
         assert (results / record["log"]).is_file()
     cold, warm = (json.loads((results / f"tiny-{p}.json").read_text())["metrics"] for p in ("cold", "warm"))
     assert warm["data_decode_seconds"] < cold["data_decode_seconds"]  # the warm run reads the datasets cache
-
-    assert bench_report.main([str(results)]) == 0
     markdown = (results / "results.md").read_text()
     assert "## Decoding: cold vs warm datasets cache" in markdown and "`tiny-warm`" in markdown
+    # The record's README: question, command, commit, table; the conclusion and headline are a person's to write.
+    readme = (results / "README.md").read_text()
+    assert (
+        "**Question:** Does a tiny ViT train on the CPU?" in readme and f"python -m benchmarks.run {suite}" in readme
+    )
+    assert "| `tiny-cold` |" in readme and common.CONCLUSION_TO_WRITE in readme
+    problems = bench_index.read_record(results)["problems"]
+    assert (
+        "its README's conclusion is still to write" in problems and "its README has no **Headline:** line" in problems
+    )
 
 
 @pytest.mark.slow
 def test_failed_and_timed_out_runs_are_recorded(cifar_like, tiny_vit, tmp_path):
-    suite = tmp_path / "suite.json"
-    suite.write_text(
-        json.dumps(
-            {
-                "defaults": {"model": str(tiny_vit), "dataset": str(cifar_like), "steps": 8, "batch": 8, "workers": 0},
-                "runs": [
-                    {"name": "bad-lr", "extra": "--use_cpu true --learning_rate -1"},
-                    {"name": "too-slow", "timeout": 1, "extra": "--use_cpu true"},
-                ],
-            }
-        )
-    )
+    defaults = {"model": str(tiny_vit), "dataset": str(cifar_like), "steps": 8, "batch": 8, "workers": 0}
+    runs = [{"name": "bad-lr", "extra": "--use_cpu true --learning_rate -1"},
+            {"name": "too-slow", "timeout": 1, "extra": "--use_cpu true"}]  # fmt: skip
     results = tmp_path / "results"
-    done = runner("--suite", suite, "--results", results)
+    done = runner(suite_file(tmp_path, defaults, runs), "--out", results)
     assert done.returncode == 1  # not every run succeeded
     bad = json.loads((results / "bad-lr.json").read_text())
     assert bad["status"] == "failed" and bad["failure"] == "error"
@@ -312,6 +321,9 @@ def test_budget_skips_runs_and_oom_skips_larger_batches(tmp_path, monkeypatch):
     runs = [plan(name=f"r{b}", batch=b) for b in (8, 16, 32)]
     calls = []
 
+    context = {"gpu_names": [], "device": "CPU", "device_memory_gib": None, "git_commit": "abc", "code_fingerprint": "f",
+               "versions": {}}  # fmt: skip
+
     def fake_execute(run, results, suite, context, cache_dir, keep_output, phase=None):
         calls.append(run["name"])
         record = bench_run.base_record(run, suite, context)
@@ -320,14 +332,14 @@ def test_budget_skips_runs_and_oom_skips_larger_batches(tmp_path, monkeypatch):
         return record
 
     monkeypatch.setattr(bench_run, "execute", fake_execute)
-    records = bench_run.run_all(runs, tmp_path, "t")
+    records = bench_run.run_all(runs, tmp_path, "t", context=context)
     assert calls == ["r8"] and [r["status"] for r in records] == ["failed", "skipped", "skipped"]
     assert records[1]["error"] == "out of memory at batch 8"
-    records = bench_run.run_all(runs, tmp_path / "b", "t", budget=0)
+    records = bench_run.run_all(runs, tmp_path / "b", "t", budget=0, context=context)
     assert {r["status"] for r in records} == {"skipped"} and len(records) == 3
     assert json.loads((tmp_path / "b" / "r8.json").read_text())["error"].startswith("time budget spent")
     calls.clear()  # min_left: a run that needs more of the budget than is left is not started
-    records = bench_run.run_all([plan(name="big", min_left=500)], tmp_path / "c", "t", budget=300)
+    records = bench_run.run_all([plan(name="big", min_left=500)], tmp_path / "c", "t", budget=300, context=context)
     assert calls == [] and records[0]["status"] == "skipped"
 
 
@@ -437,105 +449,6 @@ def test_a_run_gets_the_first_of_the_visible_gpus(monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in bench_run.child_env(run, [], None)  # no GPU: nothing to pick
 
 
-def test_gpu_strategies_zeropp_config_fits_the_node(monkeypatch):
-    """The GPU check's ZeRO++ run: hpZ over this node's GPUs on top of the shipped zeropp.json (quantized weights
-    off, leaf modules included)."""
-    monkeypatch.syspath_prepend(str(BENCH))  # as when run as a script: it imports benchmarks/run.py as `run`
-    strategies = importlib.import_module("gpu_strategies")
-    zeropp = next(r for r in strategies.plan(2) if r.name == "zeropp")
-    flags = strategies.run_extra_launch(zeropp, 2)
-    with open(flags[flags.index("--deepspeed_config_file") + 1]) as f:
-        zero = json.load(f)["zero_optimization"]
-    assert zero["zero_hpz_partition_size"] == 2 and zero["zero_quantized_weights"] is False
-    assert zero["zero_quantized_gradients"] is True and zero["leaf_module"] == {"classes": ["ViTLayer"]}
-
-
-def test_gpu_strategies_reevaluates_each_saved_model_on_one_gpu(monkeypatch, tmp_path):
-    """Seen on 2 H200s (commit 3dff8ec): the in-process re-evaluation saw both GPUs and the script refused it
-    (DataParallel). Each saved model is now scored by a fresh process that sees the first visible GPU only."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    strategies = importlib.import_module("gpu_strategies")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # a lane of a shared machine
-    ddp = next(r for r in strategies.plan(2) if r.name == "ddp")
-    scores = json.dumps({"test_accuracy": 0.5, "test_loss": 2.0})
-    (tmp_path / "ddp").mkdir()
-    (tmp_path / "ddp" / "all_results.json").write_text(scores)
-    seen = {}
-
-    def fake_run(cmd, cwd, env, **kwargs):
-        seen.update(cmd=cmd, env=env)
-        (tmp_path / "ddp-reeval").mkdir()
-        (tmp_path / "ddp-reeval" / "all_results.json").write_text(scores)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(strategies.subprocess, "run", fake_run)
-    checks = strategies.reevaluate([ddp], {"ddp": {"status": "ok"}}, tmp_path, tmp_path / "assets", lambda m: None)
-    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "2"
-    assert seen["cmd"][1] == "run_image_classification.py" and "--do_train" in seen["cmd"]
-    assert [c["ok"] for c in checks] == [True], checks
-
-
-def test_kernel_timings_group_kernels_replot_and_refuse_without_a_gpu(tmp_path):
-    from types import SimpleNamespace
-
-    kernels = load_module("kernels")
-    events = [
-        SimpleNamespace(key="nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", self_device_time_total=3000.0),
-        SimpleNamespace(key="void cublasLt::splitKreduce_kernel<32, 16>", self_device_time_total=500.0),
-        SimpleNamespace(key="cudnn_generated_fort_native_sdpa_sm90_flash_bprop", self_device_time_total=2000.0),
-        SimpleNamespace(key="triton_poi_fused_gelu_view_6", self_device_time_total=1000.0),
-    ]
-    groups = kernels.kernel_groups(SimpleNamespace(key_averages=lambda: events))
-    assert groups == {"matmul": 3.5, "attention": 2.0, "other": 1.0}
-    record = {"device": "NVIDIA H200", "command": "python benchmarks/kernels.py --out x", "git_commit": "abc",
-              "sections": {"Patch embedding": {"vit-b16-b512 matmul ms": 1.255, "note": "unsupported: x"}}}  # fmt: skip
-    text = kernels.markdown(record)
-    assert "| vit-b16-b512 matmul ms | 1.255 |" in text and "| note | unsupported: x |" in text
-    layer = {"ViT-B/16 layer compiled ms": 11.2, "compiled layer matmul ms": 5.8, "compiled layer attention ms": 1.5,
-             "compiled layer other ms": 3.5, "ViT-B/16 layer eager ms": 13.8, "timm Block compiled ms": "timm not installed"}  # fmt: skip
-    record["sections"]["One encoder layer"] = layer
-    (tmp_path / "kernels.json").write_text(json.dumps(record))
-    kernels.main(["--out", str(tmp_path), "--replot"])  # no GPU needed: redraws from the record
-    assert (tmp_path / "kernels.png").stat().st_size > 10_000
-    assert "![kernels](kernels.png)" in (tmp_path / "kernels.md").read_text()
-    if not kernels.torch.cuda.is_available():
-        result = subprocess.run(
-            [sys.executable, BENCH / "kernels.py", "--out", "unused"], capture_output=True, text=True
-        )
-        assert result.returncode == 1 and result.stderr.strip().endswith("needs a CUDA GPU")
-
-
-def test_patch_dropout_time_to_accuracy_is_the_first_epoch_at_the_target():
-    sys.path.insert(0, str(ROOT / "tools"))
-    sys.path.insert(0, str(BENCH))
-    patch_dropout = load_module("patch_dropout")
-
-    def run(rate, curve, epoch_seconds, seed=0):
-        return {"rate": rate, "seed": seed, "validation_curve": list(enumerate(curve, 1)),
-                "epoch_seconds": epoch_seconds, "train_images_per_second": 100 / epoch_seconds,
-                "test_accuracy": curve[-1]}  # fmt: skip
-
-    runs = [run(0.0, [0.5, 0.8, 0.9, 0.91], 2.0), run(0.5, [0.6, 0.906, 0.9, 0.9], 1.0), run(0.75, [0.5, 0.6], 0.5)]
-    summary = patch_dropout.summarise(runs, [0.0, 0.5, 0.75])
-    assert summary["target_validation_accuracy"] == 0.905  # the full-patch final accuracy minus 0.5 point
-    rows = summary["rates"]
-    assert rows["0"]["time_to_target_s"] == 8.0  # epoch 4 x 2 s
-    assert rows["0.5"]["time_to_target_s"] == 2.0 and rows["0.5"]["speedup_to_target"] == 4.0  # epoch 2 x 1 s
-    assert rows["0.75"]["time_to_target_s"] is None and rows["0.75"]["reached_target"] == 0
-    assert "not reached (0/1 runs)" in patch_dropout.markdown(
-        {
-            "device": "CPU",
-            "commit": "x",
-            "command": "c",
-            "base": "b",
-            "finetune_epochs": 4,
-            "learning_rate": 1e-3,
-            "seeds": [0],
-            "summary": summary,
-        }  # fmt: skip
-    )
-
-
 # --------------------------------------------------------------------------------------------------- the peer
 
 
@@ -558,12 +471,10 @@ def torchvision_imports() -> bool:
 
 def test_peer_runs_through_the_runner_and_records_like_our_script(cifar_like, tiny_vit, tmp_path):
     """benchmarks/peer.py (transformers' example script) through run.py: in the training process and in a worker."""
-    suite = tmp_path / "suite.json"
     defaults = {"model": str(tiny_vit), "dataset": str(cifar_like), "steps": 8, "batch": 8, "precision": "fp32"}
     runs = [{"peer": True, "workers": w, "extra": "--use_cpu true"} for w in (0, 1)]
-    suite.write_text(json.dumps({"defaults": defaults, "runs": runs}))
     results = tmp_path / "results"
-    done = runner("--suite", suite, "--results", results)
+    done = runner(suite_file(tmp_path, defaults, runs), "--out", results)
     assert done.returncode == 0, done.stdout + done.stderr
     for workers in (0, 1):
         name = f"peer-{tiny_vit.name}-fp32-b8-w{workers}"
@@ -713,100 +624,7 @@ def test_report_states_each_run_against_the_peer_with_8_workers(tmp_path):
     assert "x peer" not in (plain / "results.md").read_text()
 
 
-# --------------------------------------------------------------------------------------------------- compile parity
-
-
-def load_compile_parity():
-    sys.path.insert(0, str(ROOT / "tools"))
-    sys.path.insert(0, str(BENCH))  # it imports transfer.py and patch_dropout.py, scripts beside it
-    spec = importlib.util.spec_from_file_location("benchmarks_compile_parity", BENCH / "compile_parity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # registered first: its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_compile_parity_verdict_is_within_twice_the_larger_std_or_half_a_point():
-    parity = load_compile_parity()
-    noisy = parity.verdict([0.80, 0.82, 0.84], [0.83, 0.85, 0.87])  # std 2 points each: 3 points is within 4
-    assert noisy == {"difference": 0.03, "tolerance": 0.04, "verdict": "within seed noise"}
-    assert parity.verdict([0.80, 0.82, 0.84], [0.86, 0.88, 0.90])["verdict"] == "differs"  # 6 points > 4
-    steady = parity.verdict([0.900, 0.901, 0.902], [0.905, 0.906, 0.907])  # std 0.1 point: the 0.5-point floor
-    assert steady["tolerance"] == 0.005 and steady["verdict"] == "within seed noise"
-    assert parity.verdict([0.900, 0.901, 0.902], [0.907, 0.908, 0.909])["verdict"] == "differs"
-
-
-@pytest.mark.slow
-def test_compile_parity_runs_both_modes_per_seed_on_real_fashion_mnist(tmp_path, capsys):
-    """The CPU preset end to end (~1 min): eager vs the compiled path (aot_eager, as a CPU's default is eager)."""
-    parity = load_compile_parity()
-    if not (parity.Path(parity.transfer.FASHION_MNIST) / "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip(f"Fashion-MNIST not found in {parity.transfer.FASHION_MNIST}")
-    flags = "--torch_compile_regions true --torch_compile_backend aot_eager"
-    record = parity.main(["--preset", "cpu", "--seeds", "0", "1", "--compiled_flags", flags, "--out", str(tmp_path)])
-    printed = capsys.readouterr().out
-    assert f"default mode: `{flags}` (given by --compiled_flags)" in printed
-    assert sum(line.startswith(("  eager seed", "default seed")) for line in printed.splitlines()) == 4
-    saved = json.loads((tmp_path / "compile_parity.json").read_text())
-    assert saved["summary"] == record["summary"] and saved["commit"] and saved["device"].startswith("CPU")
-    assert sorted((r["mode"], r["seed"]) for r in saved["runs"]) == [
-        ("default", 0), ("default", 1), ("eager", 0), ("eager", 1)
-    ]  # fmt: skip
-    for run in saved["runs"]:
-        assert run["compiled"] == (run["mode"] == "default") and not run["compile_fell_back"]
-        assert [step for step, _ in run["loss"]] == list(range(5, 101, 5))  # logged every 5 of 100 steps
-        assert run["loss"][-1][1] < run["loss"][0][1]  # it learned
-        assert run["test_accuracy"] > 0.2 and run["test_images"] == 500  # no evaluation image dropped
-        assert run["train_images_per_second"] > 0 and "--seed" in run["command"]
-    summary = saved["summary"]
-    assert set(summary["modes"]) == {"eager", "default"} and summary["modes"]["eager"]["runs"] == 2
-    assert (
-        summary["verdict"]
-        == parity.verdict(
-            *([r["test_accuracy"] for r in saved["runs"] if r["mode"] == m] for m in ("eager", "default"))
-        )["verdict"]
-    )
-    table = (tmp_path / "compile_parity.md").read_text()
-    assert "| eager | 2 |" in table and "**Verdict:" in table and "2 x the larger" in table
-    png = (tmp_path / "loss_curves.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 20_000
-
-
-def test_patch_dropout_from_scratch_equal_budget_and_continuation(tmp_path):
-    """--from_scratch on real Fashion-MNIST (CPU preset, ~30 s): rate R trains EPOCHS/(1-R) epochs under
-    --equal_budget, and a second call keeps the runs already recorded and adds only the missing ones."""
-    sys.path.insert(0, str(BENCH))
-    patch_dropout = load_module("patch_dropout")
-    if not (Path(patch_dropout.transfer.FASHION_MNIST) / "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip(f"Fashion-MNIST not found in {patch_dropout.transfer.FASHION_MNIST}")
-    out = ["--from_scratch", "cpu", "--equal_budget", "--seeds", "0", "--out", str(tmp_path)]
-    patch_dropout.main([*out, "--rates", "0", "0.5"])
-    first = json.loads((tmp_path / "patch_dropout.json").read_text())
-    assert {(r["rate"], r["epochs"], len(r["validation_curve"])) for r in first["runs"]} == {(0.0, 3, 3), (0.5, 6, 6)}
-    patch_dropout.main([*out, "--rates", "0", "0.25", "0.5"])
-    second = json.loads((tmp_path / "patch_dropout.json").read_text())
-    assert second["runs"][:2] == first["runs"]  # kept, not run again
-    assert [(r["rate"], r["epochs"]) for r in second["runs"][2:]] == [(0.25, 4)]
-    assert set(second["summary"]["rates"]) == {"0", "0.25", "0.5"} and "epochs per rate" in second["setup"]
-    assert "epochs per rate {0.0: 3, 0.25: 4, 0.5: 6}" in (tmp_path / "patch_dropout.md").read_text()
-    assert (tmp_path / "time_to_accuracy.png").is_file()
-
-
-def test_te_fp8_benchmark_records_runs_and_redraws(tmp_path):
-    """benchmarks/te_fp8.py's run part on the CPU (eager mode only: Transformer Engine needs CUDA), then --replot."""
-    sys.path.insert(0, str(BENCH))
-    te_fp8 = load_module("te_fp8")
-    if not (Path(te_fp8.transfer.FASHION_MNIST) / "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip(f"Fashion-MNIST not found in {te_fp8.transfer.FASHION_MNIST}")
-    record = te_fp8.main(["--out", str(tmp_path), "--parts", "vit-b", "--preset", "cpu", "--modes", "eager"])
-    (run,) = record["runs"]
-    assert (run["part"], run["mode"], run["steps"]) == ("vit-b", "eager", 20) and not run["compiled"]
-    assert [step for step, _ in run["loss"]] == [5, 10, 15, 20] and run["train_images_per_second"] > 0
-    assert json.loads((tmp_path / "te_fp8.json").read_text())["runs"] == json.loads(json.dumps(record["runs"]))
-    (tmp_path / "te_fp8.md").unlink()
-    te_fp8.main(["--out", str(tmp_path), "--replot"])
-    assert "| vit-b | 32 | 20 | eager | no |" in (tmp_path / "te_fp8.md").read_text()
-    assert (tmp_path / "loss_curves.png").is_file()
+# --------------------------------------------------------------------------------------------------- probes
 
 
 def test_wall_clock_times_whole_jobs_of_ours_and_the_peer(cifar_like, tiny_vit, tmp_path):
@@ -818,7 +636,7 @@ def test_wall_clock_times_whole_jobs_of_ours_and_the_peer(cifar_like, tiny_vit, 
     (assets / "cifar100").symlink_to(cifar_like)
     out, work = tmp_path / "record", tmp_path / "work"
     runs = "epoch-peer-w16-cold,epoch-ours-cold"
-    argv = [sys.executable, str(BENCH / "wall_clock.py"), "--assets", str(assets), "--out", str(out), "--work",
+    argv = [sys.executable, "-m", "benchmarks.wall_clock", "--assets", str(assets), "--out", str(out), "--work",
             str(work), "--only", runs, "--extra", "--use_cpu true --bf16 false --dataloader_num_workers 0"]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -837,21 +655,73 @@ def test_wall_clock_times_whole_jobs_of_ours_and_the_peer(cifar_like, tiny_vit, 
     assert caches.is_dir() and any(caches.iterdir())  # the decoded images a warm rerun reads
     table = (out / "wall_clock.md").read_text()
     assert "| epoch | `epoch-peer-w16-cold` | 0 |" in table and "1.00x" in table
-    assert (out / "wall_clock.png").stat().st_size > 10_000
+    assert 2_000 < (out / "wall_clock.png").stat().st_size <= bench_index.MAX_PNG_BYTES  # drawn, and small
+    assert "**Question:** how long does a whole job take" in (out / "README.md").read_text()
     (out / "wall_clock.md").unlink()
-    redraw = [sys.executable, str(BENCH / "wall_clock.py"), "--redraw", "--out", str(out)]
+    redraw = [sys.executable, "-m", "benchmarks.wall_clock", "--redraw", "--out", str(out)]
     assert subprocess.run(redraw, capture_output=True, cwd=ROOT, timeout=120).returncode == 0
     assert (out / "wall_clock.md").read_text() == table
 
 
-def test_decode_probe_times_each_split_at_each_process_count(cifar_like, tmp_path, monkeypatch):
-    """benchmarks/decode_probe.py: a cold decode (a new fingerprint) per split and count, the bytes a run stores."""
-    probe = load_module("decode_probe")
-    out = tmp_path / "decode.json"
-    monkeypatch.setattr(sys, "argv", ["decode_probe.py", str(cifar_like), "224", "1,2", str(out)])
-    probe.main()
-    rows = json.loads(out.read_text())
-    assert [(r["split"], r["images"], r["num_proc"]) for r in rows] == [
-        ("train", 400, 1), ("test", 100, 1), ("train", 400, 2), ("test", 100, 2)
-    ]  # fmt: skip
-    assert all(r["s"] > 0 and r["img_per_s"] > 0 for r in rows)
+# --------------------------------------------------------------------------------------------------- the lab's shape
+
+
+def test_the_index_lists_every_record_and_every_record_keeps_the_scheme():
+    """benchmarks/results/README.md is what `python -m benchmarks.index` writes from the folders today, and every
+    record is `<date>_<suite>_<gpus>x<card>` with a README (question, headline, commit, a written conclusion), a
+    JSON and small figures; README.md and docs/ link only records that exist."""
+    assert bench_index.main(["--check"]) == 0
+
+
+def test_the_index_refuses_a_record_off_the_scheme(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    good, bad = results / "2026-01-02_peer_1xH200", results / "h200_peer"
+    for folder in (good, bad):
+        folder.mkdir(parents=True)
+        (folder / "a.json").write_text("{}")
+    (good / "README.md").write_text("# Peer\n\n**Question:** Q?\n\n**Headline:** 2x\n\n**Commit:** abc1234\n")
+    (bad / "README.md").write_text(common.CONCLUSION_TO_WRITE)
+    from PIL import Image
+
+    Image.effect_noise((400, 400), 100).save(good / "noise.png")  # incompressible: over 60 KB
+    monkeypatch.setattr(bench_index, "RESULTS", results)
+    monkeypatch.setattr(bench_index, "INDEX", results / "README.md")
+    monkeypatch.setattr(bench_index, "REMOVED", results / "removed.yaml")  # none
+    monkeypatch.setattr(bench_index, "cited", lambda: {"2026-01-02_peer_1xH200", "gone"})
+    assert bench_index.main([]) == 1
+    index = (results / "README.md").read_text()
+    assert index.index("2026-01-02_peer_1xH200/README.md") < index.index("h200_peer/README.md")  # newest first
+    assert "| 2x | abc1234 | **current** |" in index
+    wrong = bench_index.check(bench_index.records(), [], bench_index.cited())
+    assert "h200_peer: its name is not <date>_<suite>_<gpus>x<card>" in wrong
+    assert "h200_peer: its README's conclusion is still to write" in wrong
+    assert any(w.startswith("2026-01-02_peer_1xH200: noise.png is ") for w in wrong)
+    assert "README.md or docs/ link benchmarks/results/gone, which is no record folder" in wrong
+    assert not [w for w in wrong if "out of date" in w]
+
+
+def test_record_folders_are_named_by_date_suite_and_machine():
+    import datetime
+
+    day = datetime.date(2026, 1, 2)
+    assert common.record_folder("peer", 1, "NVIDIA H200", day).name == "2026-01-02_peer_1xH200"
+    assert common.record_folder("acceptance", 2, "NVIDIA H100 80GB HBM3", day).name == "2026-01-02_acceptance_2xH100"
+    assert common.record_folder("transfer", 0, "CPU (2 cores, x86_64)", day).name == "2026-01-02_transfer_1xCPU"
+    assert bench_index.NAME.match(common.record_folder("zero3_tuning", 4, "H200", day).name)
+
+
+def test_benchmark_modules_import_no_probe_and_form_no_circle():
+    """Shared code lives in benchmarks/common.py; the runner may use the report, the strategy report the report's
+    loader; no other import between modules of benchmarks/ (a probe stands alone), hence no circle."""
+    allowed = {("run", "report"), ("strategy_report", "report"), ("acceptance", "make_assets")}
+    edges = set()
+    for path in BENCH.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks"):
+                names = [node.module.split(".")[1]] if "." in node.module else [a.name for a in node.names]
+                edges |= {(path.stem, name) for name in names if name != "common"}
+            elif isinstance(node, ast.Import | ast.ImportFrom):  # the old style: a sibling script on sys.path
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                edges |= {(path.stem, n) for n in names if (BENCH / f"{n}.py").is_file() and n != path.stem}
+    assert edges <= allowed, edges - allowed
+    assert not [edge for edge in edges if edge[0] == "common"]  # common imports nothing of benchmarks/

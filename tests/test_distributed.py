@@ -9,7 +9,7 @@ same global batch as the single-process baseline (8), so the per-step losses mus
 accelerate runs FSDP2 only on GPUs (the script refuses it on the CPU), but torch's fully_shard shards over gloo: the
 FSDP2 tests apply accelerate's own FSDP2 preparation, configured by `accelerate launch` from our YAMLs, to a tiny ViT
 in 2 processes (tests/fsdp2_cpu_worker.py); with LoRA they also save the adapter through the Trainer's own FSDP2
-save and merge it. The whole script under FSDP2 is proven on GPUs (benchmarks/gpu_strategies.sh).
+save and merge it. The whole script under FSDP2 is proven on GPUs by the acceptance suite (benchmarks/acceptance.py).
 """
 
 from __future__ import annotations
@@ -690,7 +690,7 @@ def test_fsdp_on_the_cpu_is_refused(monkeypatch):
 
 
 def test_regional_compile_under_zero3_is_refused(monkeypatch):
-    """Seen on 2 H200s (benchmarks/results/h200x2_compile): ZeRO-3 + --torch_compile_regions ended 60 steps at a
+    """Seen on 2 H200s (benchmarks/results/2026-11-22_compile_strategies_2xH200): ZeRO-3 + --torch_compile_regions ended 60 steps at a
     loss of 1.98 against 1.31 eager (DDP, ZeRO-2 and FSDP2 with it: 1.26-1.28)."""
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")  # the flag sets it; restored after
     regions = ("--use_cpu", "true", "--torch_compile_regions", "true")

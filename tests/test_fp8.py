@@ -180,7 +180,7 @@ def test_fp8_with_deepspeed_is_refused_by_the_script(tmp_path):
 def fake_transformer_engine(monkeypatch) -> list:
     """A stand-in for `transformer_engine.pytorch` (CUDA only, absent here) with TE's constructor arguments and
     parameter names (as in TE 2.20), computing in plain PyTorch; returns the list its autocast appends to. It tests
-    our wiring: the real kernels' numbers are measured on a GPU (benchmarks/results/h200_te_fp8)."""
+    our wiring: the real kernels' numbers are measured on a GPU (benchmarks/results/2026-11-25_te_fp8_1xH200)."""
     entered = []
 
     class Linear(torch.nn.Module):

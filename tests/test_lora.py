@@ -605,7 +605,7 @@ def test_rank_zero_exits_with_one_line(tmp_path, tiny_vit):
 
 # ------------------------------------------------------------------------------------------------ transfer
 
-sys.path.append(str(ROOT / "benchmarks"))  # transfer.py is a script there, not part of the package
+sys.path.append(str(ROOT / "tools"))  # transfer.py is a script there, not part of the package
 
 
 @pytest.fixture(scope="session")
@@ -621,7 +621,7 @@ def transfer_record(tmp_path_factory):
 @pytest.mark.slow
 def test_transfer_check_without_fashion_mnist_names_the_debian_package_in_one_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, ROOT / "benchmarks" / "transfer.py", "--fashion_mnist", tmp_path, "--out", tmp_path / "o"],
+        [sys.executable, ROOT / "tools" / "transfer.py", "--fashion_mnist", tmp_path, "--out", tmp_path / "o"],
         capture_output=True,
         text=True,
     )
@@ -689,7 +689,7 @@ def test_lora_under_zero3_bf16_on_two_processes_saves_a_merged_model(transfer_re
 
 
 def test_transfer_chooses_learning_rates_on_validation_and_keeps_to_its_budget(tmp_path):
-    """The bookkeeping of benchmarks/transfer.py, with a stand-in for the script (no training)."""
+    """The bookkeeping of tools/transfer.py, with a stand-in for the script (no training)."""
     from transfer import SIZES, RunResult, override, run_check
 
     base = tmp_path / "work" / "pretrained"

@@ -14,7 +14,7 @@ from conftest import ROOT, run_args
 
 from vit_recipes.observability import flops_profiler_output, keep_flops_profile
 
-sys.path.append(str(ROOT / "benchmarks"))  # trace_analysis is a script there, not part of the package
+sys.path.append(str(ROOT / "tools"))  # trace_analysis is a script there, not part of the package
 trace_analysis = importlib.import_module("trace_analysis")
 
 REGIONS = {"data", "augment", "forward", "backward", "optimizer_step"}
@@ -104,7 +104,7 @@ def test_two_process_cpu_run_writes_one_trace_per_rank_and_a_report(cifar_like, 
 
     report = tmp_path / "report" / "traces.md"
     analysis = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "trace_analysis.py"), str(profiler), "--out", str(report)],
+        [sys.executable, str(ROOT / "tools" / "trace_analysis.py"), str(profiler), "--out", str(report)],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -1,6 +1,5 @@
 """The strategy report on recorded sample records (tests/data/strategy_report: test fixtures, not measurements)."""
 
-import importlib
 import json
 import sys
 
@@ -8,8 +7,8 @@ import pytest
 from conftest import ROOT
 from PIL import Image
 
-sys.path.append(str(ROOT / "benchmarks"))  # a script there, as are report.py and trace_analysis.py it imports
-strategy_report = importlib.import_module("strategy_report")
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a package of the repository, not of the install
+from benchmarks import strategy_report  # noqa: E402
 
 CHARTS = ("throughput", "memory", "step_breakdown", "scaling", "mfu")
 

@@ -208,7 +208,7 @@ class ObservabilityArguments:
     profile_steps: str | None = _arg(
         None,
         "Capture PyTorch profiler Chrome traces (one per rank) for these training steps, e.g. '20-25' (pick a window "
-        "after warm-up). Analyse with `python benchmarks/trace_analysis.py OUTPUT_DIR/profiler`.",
+        "after warm-up). Analyse with `python tools/trace_analysis.py OUTPUT_DIR/profiler`.",
     )
     profile_dir: str | None = _arg(None, "Where traces go (default: OUTPUT_DIR/profiler).")
     profile_memory: bool = _arg(False, "Profiler: also record tensor allocations (bigger traces).")

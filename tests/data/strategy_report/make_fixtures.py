@@ -5,7 +5,7 @@
 
 Nothing here was measured. Every record has "fixture": true and the device "FIXTURE GPU (made-up numbers)";
 the traces are hand-built Chrome traces shaped like PyTorch profiler GPU traces (kernels on a compute stream,
-NCCL kernels on a communication stream) so that HolisticTraceAnalysis and benchmarks/trace_analysis.py can read them.
+NCCL kernels on a communication stream) so that HolisticTraceAnalysis and tools/trace_analysis.py can read them.
 """
 
 from __future__ import annotations
