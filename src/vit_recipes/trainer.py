@@ -17,13 +17,14 @@ from torch.utils.data import WeightedRandomSampler
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from transformers.utils import SAFE_WEIGHTS_NAME
+from transformers.utils import logging as hf_logging
 
 from .adapters import without_activation_wrappers
 from .card import write_model_card
 from .errors import RecipeError, first_line
 from .interrupt import RunInterrupted, StopOnSignal, worker_ignores_stop_signals
 from .levers import WeightAverage, layer_decay_groups
-from .run_dir import mark_complete, write_loss_record
+from .run_dir import how_checkpoint_differs, mark_complete, write_loss_record
 from .transforms import smooth_targets
 
 logger = logging.getLogger(__name__)
@@ -253,6 +254,8 @@ class ImageClassificationTrainer(Trainer):
         model = model if model is not None else self.model
         # transformers 5.2x resumes with a raw load_state_dict that skips renamed ViT keys: from_pretrained converts.
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(model, PreTrainedModel)
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # transformers' load report: a mismatch is said in the one line below
         try:
             if not (plain and os.path.isfile(os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME))):
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -260,15 +263,21 @@ class ImageClassificationTrainer(Trainer):
             model.load_state_dict(loaded.state_dict(), strict=True)
         except Exception as err:  # truncated or corrupt files: SafetensorError, UnpicklingError, OSError, ...
             if any(w in str(err) for w in ("size mismatch", "ignore_mismatched_sizes", "shape")):  # another model's
+                shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}  # ZeRO-3
+                # transformers' first line points at a report it logged above ("look at the above report"): ours
+                differs = how_checkpoint_differs(resume_from_checkpoint, model.config.num_labels, shapes)
+                fix = "choose another --output_dir, or pass --overwrite_output_dir to start over"
+                if self.args.resume_from_checkpoint:  # the flag named it: the fix is the flag's value
+                    fix = "pass --resume_from_checkpoint a checkpoint of this model, or drop the flag to start fresh"
                 raise RecipeError(
-                    f"{resume_from_checkpoint} holds a model of another shape than this run's ({first_line(err)}): "
-                    "it is another model's checkpoint; choose another --output_dir, or pass --overwrite_output_dir "
-                    "to start over"
+                    f"{resume_from_checkpoint} is a checkpoint of another model ({differs or first_line(err)}): {fix}"
                 ) from err
             raise RecipeError(
                 f"cannot read the weights of {resume_from_checkpoint} ({first_line(err)}): delete that folder to "
                 "resume from the checkpoint before it, or pass --overwrite_output_dir to start over"
             ) from err
+        finally:
+            hf_logging.set_verbosity(level)
 
     def _load_best_model(self):
         # The Trainer's non-strict load skips renamed 5.2x keys (_load_from_checkpoint): it would load the head alone.
