@@ -18,6 +18,7 @@ from .errors import RecipeError, first_line
 from .launch import bind_deepspeed_comm, env_int, is_true
 from .lora import is_adapter_dir
 from .memory import PREFERENCE, config_from_args, estimate, gib, model_shape
+from .modeling import training_image_size
 from .run_dir import OutputState, lock_output_dir, remove_checkpoints, resolve_output_dir, to_universal
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,9 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     budget, world = FITS_WITHIN * gpu, strategy.world_size
     try:  # full fine-tuning's states: an upper bound for LoRA and head-only runs
-        shape = model_shape(config_from_args(args.model)[0])
+        config, source = config_from_args(args.model)[0], args.model.model_name_or_path or args.model.config_name
+        # the tokens of the size it trains at (DINOv2: its processor's 224, not its config's 518; modeling.py)
+        shape = replace(model_shape(config), image_size=training_image_size(args.model, config, source, say=False))
         by_name = {e.strategy.name: e for e in estimate(shape, world, batch, strategy.nodes, precision, keys=rows)}
     except (RecipeError, OSError, ValueError, AttributeError, KeyError) as err:  # not ViT-shaped, or not readable yet
         if t.checkpointing_by_memory:
