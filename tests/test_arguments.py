@@ -178,3 +178,10 @@ def test_a_value_of_the_wrong_type_is_one_line_without_the_usage(tmp_path, capsy
         parse_args(["--config"])
     captured = capsys.readouterr()
     assert "usage:" not in captured.err + captured.out
+
+
+def test_null_typed_on_the_command_line_means_no_checkpoint(tmp_path):
+    """docs/usage.md's from-scratch command, `--model_name_or_path null --config_name vit`: "null" was a Hub id."""
+    args = parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--model_name_or_path", "null",
+                       "--config_name", "vit", "--report_to", "none"])  # fmt: skip
+    assert args.model.model_name_or_path is None and args.model.config_name == "vit"

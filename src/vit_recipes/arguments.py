@@ -72,6 +72,15 @@ class ModelArguments:
         "patches: same sums, faster on a GPU; weights and saved models unchanged (false keeps the convolution).",
     )
 
+    def __post_init__(self):
+        for name in ("model_name_or_path", "config_name", "image_processor_name"):
+            if str(getattr(self, name)).strip().lower() in (
+                "null",
+                "none",
+                "",
+            ):  # YAML's null, typed on the command line
+                setattr(self, name, None)
+
 
 @dataclass
 class DataArguments:
