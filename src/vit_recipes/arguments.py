@@ -73,12 +73,9 @@ class ModelArguments:
     )
 
     def __post_init__(self):
+        nulls = ("null", "none", "")  # YAML's null, typed on the command line (docs/usage.md's from-scratch command)
         for name in ("model_name_or_path", "config_name", "image_processor_name"):
-            if str(getattr(self, name)).strip().lower() in (
-                "null",
-                "none",
-                "",
-            ):  # YAML's null, typed on the command line
+            if str(getattr(self, name)).strip().lower() in nulls:
                 setattr(self, name, None)
 
 

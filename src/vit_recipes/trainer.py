@@ -254,12 +254,15 @@ class ImageClassificationTrainer(Trainer):
         model = model if model is not None else self.model
         # transformers 5.2x resumes with a raw load_state_dict that skips renamed ViT keys: from_pretrained converts.
         plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and isinstance(model, PreTrainedModel)
-        level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # transformers' load report: a mismatch is said in the one line below
         try:
             if not (plain and os.path.isfile(os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME))):
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)
-            loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # its load report: a mismatch is said in the one line below
+            try:
+                loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
+            finally:
+                hf_logging.set_verbosity(level)
             model.load_state_dict(loaded.state_dict(), strict=True)
         except Exception as err:  # truncated or corrupt files: SafetensorError, UnpicklingError, OSError, ...
             if any(w in str(err) for w in ("size mismatch", "ignore_mismatched_sizes", "shape")):  # another model's
@@ -276,8 +279,6 @@ class ImageClassificationTrainer(Trainer):
                 f"cannot read the weights of {resume_from_checkpoint} ({first_line(err)}): delete that folder to "
                 "resume from the checkpoint before it, or pass --overwrite_output_dir to start over"
             ) from err
-        finally:
-            hf_logging.set_verbosity(level)
 
     def _load_best_model(self):
         # The Trainer's non-strict load skips renamed 5.2x keys (_load_from_checkpoint): it would load the head alone.
