@@ -196,7 +196,7 @@ def test_the_memory_advisor_and_the_flop_count_size_each_family(family):
     assert forward_flops(config, image_size=32) > 2 * params  # at least one multiply-add per weight
 
 
-def test_the_image_processor_of_a_hub_model_is_fetched_once_for_the_size_and_the_normalisation(tmp_path, monkeypatch):
+def test_the_image_processor_of_a_hub_model_is_fetched_once_for_the_size_and_the_normalisation(monkeypatch):
     """Every model's processor is read for its size now (training_image_size): a Hub one is asked for once a run,
     which reads it again for mean/std (the Hub's answer, offline or not, takes a round trip)."""
     from transformers import AutoImageProcessor
@@ -205,6 +205,7 @@ def test_the_image_processor_of_a_hub_model_is_fetched_once_for_the_size_and_the
 
     processor = tiny("dinov2")[1]
     asked = []
+    modeling._load_processor.cache_clear()
     monkeypatch.setattr(AutoImageProcessor, "from_pretrained", lambda name, **kw: asked.append(name) or processor)
     args = types.SimpleNamespace(model_name_or_path="someone/dinov2-tiny", image_processor_name=None, cache_dir=None)
     assert modeling.processor_image_size(args) == 32 and modeling.mean_std(args)[0] == tuple(processor.image_mean)
