@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, image_size, finetune = build_finetune_model(args.model, args.lora, training, splits.label_names)
     check_model(plan.strategy, model)  # FSDP2's wrap list, ZeRO++'s quantized weights vs the head
     convert_to_fp8(model, training)  # --fp8: the transformer's linear layers run their matmuls in FP8
-    add_patch_dropout(model, args.augment.patch_dropout)  # training forwards keep a random subset of patches
+    add_patch_dropout(model, args.augment.patch_dropout, image_size)  # training forwards: a random subset of patches
     mean, std = mean_std(args.model)
     timeline.mark("model")
 

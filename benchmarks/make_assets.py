@@ -9,8 +9,9 @@
 - vit-base / vit-huge: google/vit-{base-patch16,huge-patch14}-224-in21k configs, random weights, save_pretrained.
 - convnext-tiny, swin-tiny, dinov2-small, dinov2-base: facebook/convnext-tiny-224, microsoft/swin-tiny-patch4-window7-224
   and facebook/dinov2-{small,base} configs with their image processors, random weights, 224 px. DINOv2's config says
-  518 (its position embeddings' grid) and its processor crops 224: the stand-in is built at 224, as it is fine-tuned,
-  and its processor resizes to 224 before the crop so that the peer (which reads shortest_edge) trains at 224 too.
+  518 (its position embeddings' grid), as the Hub's does, and its processor crops 224: the script trains at the
+  processor's 224 (modeling.training_image_size), and the processor resizes to 224 before the crop so that the peer
+  (which reads shortest_edge) trains at 224 too.
 Images are learnable (class colour + noise), so loss curves are meaningful.
 """
 
@@ -116,7 +117,7 @@ def family_config(name: str):
         return config, tf.ViTImageProcessor(size={"height": 224, "width": 224}, **norm)
     width, heads = {"dinov2-small": (384, 6), "dinov2-base": (768, 12)}[name]
     config = tf.Dinov2Config(hidden_size=width, num_attention_heads=heads, num_hidden_layers=12, mlp_ratio=4,
-                             patch_size=14, image_size=224)  # fmt: skip
+                             patch_size=14, image_size=518)  # fmt: skip
     crop = {"height": 224, "width": 224}
     return config, tf.BitImageProcessor(size={"shortest_edge": 224}, crop_size=crop, do_center_crop=True, **norm)
 

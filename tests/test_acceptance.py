@@ -43,7 +43,7 @@ def test_the_plan_runs_the_readme_commands_on_every_gpu(acceptance, tmp_path, gp
         f"launch --config_file accelerate_configs/zero3.yaml --num_processes {gpus} run_image_classification" in vith
     )
     assert "--config recipes/vit-huge/cifar100/config_full.yaml" in vith and suite.jobs["vith"].gpus == gpus
-    # Without --num_processes: the one-line refusal below the shipped 8, nothing to refuse at 8
+    # Without --num_processes: below the shipped 8 the GPUs there train (the rest step aside); at 8 nothing differs
     assert ("vith-as-typed" in suite.jobs) == (gpus < 8)
     # Killed runs resume by the same command in the same folder
     for s in acceptance.KILLED:
@@ -240,3 +240,31 @@ def test_a_passing_suite_drops_the_runs_checkpoints_and_keeps_what_its_chart_rea
     assert acceptance.drop_checkpoints(tmp_path) == 30
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
     assert left == ["assets/checkpoint-1/weights", "zero2/model.safetensors", "zero2/trainer_state.json"]
+
+
+def test_the_zero3_command_as_typed_passes_when_the_gpus_train_and_fails_on_the_launchers_report(acceptance, tmp_path):
+    """vith-as-typed on 2 GPUs: the run that trains on them and says so passes; the old outcome (our refusal, then
+    accelerate's ChildFailedError) fails, as does a run without the line."""
+    suite = suite_for(acceptance, 2, tmp_path, parts=["vith"])
+    job, out = suite.jobs["vith-as-typed"], tmp_path / "vith-as-typed"
+    fake_run(out, {s: 4.0 - 0.1 * s for s in range(1, 11)})
+    (out / "README.md").write_text(
+        "accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 run_image_classification.py"
+    )
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "vith-as-typed.log"
+    said = ("12:00:00 WARNING vit_recipes.plan: 8 processes were launched on this machine, which has 2 GPU(s): 6 "
+            "exited before the process group and 2 train, global batch 32 (8 would have made 128); --num_processes "
+            "2 launches only these\n")  # fmt: skip
+    refused = ("error: 8 processes on this machine but only 2 GPU(s) visible: launch at most 2\nTraceback (most "
+               "recent call last):\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")  # fmt: skip
+
+    def status(text: str, exit_code: int) -> str:
+        log.write_text(text)
+        job.result = {"exit": exit_code, "command": "vith-as-typed"}
+        rows = []
+        acceptance.check_zero3_as_typed(suite, lambda *row: rows.append(row))
+        return rows[0][3]
+
+    assert status(said, 0) is True
+    assert status(refused, 1) is False and status("", 0) is False

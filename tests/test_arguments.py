@@ -145,3 +145,43 @@ def test_zero_save_steps_are_one_line(tmp_path):
 def test_a_billion_epochs_is_one_line(tmp_path):
     with pytest.raises(RecipeError, match=r"^num_train_epochs 1e\+09 is over 100,000 epochs: give a real count"):
         parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--num_train_epochs", "1e9"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max_eval_samples", "-5"], r"^--max_eval_samples must be a number of images \(1 or more\), got -5$"),
+        (["--max_train_samples", "-5"], r"^--max_train_samples must be a number of images \(1 or more\), got -5$"),
+        (["--max_eval_samples", "0"], r"^--max_eval_samples 0 would leave no images: to evaluate nothing, pass "
+                                      r"--eval_strategy no --do_eval false; or drop the flag"),
+        (["--max_train_samples", "0"], r"^--max_train_samples 0 would leave no images: to evaluate without "
+                                       r"training, pass --do_train false; or drop the flag"),
+    ],
+)  # fmt: skip
+def test_sample_caps_below_one_are_one_line_and_the_way_out_parses(tmp_path, flags, message):
+    """A cap of 0 was read as no cap (the whole split, silently); a negative one sampled "-5 of 270" and ended in the
+    Trainer's traceback, or asked to lower the batch size."""
+    base = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--report_to", "none"]
+    with pytest.raises(RecipeError, match=message):
+        parse_args([*base, *flags])
+    nothing_evaluated = parse_args([*base, "--do_train", "true", "--eval_strategy", "no", "--do_eval", "false"])
+    assert not nothing_evaluated.training.do_eval  # the line's way out: the run evaluates nothing
+
+
+def test_a_value_of_the_wrong_type_is_one_line_without_the_usage(tmp_path, capsys):
+    """argparse printed its usage (96 lines) above its own error line and exited; now that line is the RecipeError."""
+    with pytest.raises(
+        RecipeError, match=r"^argument --per_device_train_batch_size.*: invalid int value: 'abc' \(`--help` lists"
+    ):
+        parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--per_device_train_batch_size", "abc"])
+    with pytest.raises(RecipeError, match=r"^argument --config: expected one argument"):
+        parse_args(["--config"])
+    captured = capsys.readouterr()
+    assert "usage:" not in captured.err + captured.out
+
+
+def test_null_typed_on_the_command_line_means_no_checkpoint(tmp_path):
+    """docs/usage.md's from-scratch command, `--model_name_or_path null --config_name vit`: "null" was a Hub id."""
+    args = parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--model_name_or_path", "null",
+                       "--config_name", "vit", "--report_to", "none"])  # fmt: skip
+    assert args.model.model_name_or_path is None and args.model.config_name == "vit"

@@ -293,10 +293,10 @@ def test_a_finished_run_with_its_final_checkpoint_is_refused_not_rewritten(cifar
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
 
 
-def test_resuming_a_checkpoint_of_a_model_of_another_shape_does_not_ask_to_delete_it(
-    cifar_like, tiny_vit, tmp_path, run_script
-):
-    """The line used to say to delete that (valid) checkpoint, as if it were corrupt."""
+def test_resuming_another_models_checkpoint_says_what_differs_and_the_fix(cifar_like, tiny_vit, tmp_path, run_script):
+    """The line used to say to delete that (valid) checkpoint, as if it were corrupt; then it quoted transformers'
+    "look at the above report" (a load report logged above it), said nothing of what differs, and suggested another
+    --output_dir where the fix was the --resume_from_checkpoint value."""
     from conftest import tiny_vit_config
     from transformers import ViTForImageClassification
 
@@ -304,9 +304,31 @@ def test_resuming_a_checkpoint_of_a_model_of_another_shape_does_not_ask_to_delet
     ViTForImageClassification(tiny_vit_config(hidden_size=48)).save_pretrained(wider)
     out = tmp_path / "out"
     run_script(*args(cifar_like, tiny_vit, out, "--max_steps", "2", *SAVE_EVERY_2))
-    with pytest.raises(RecipeError, match=r"checkpoint-2 holds a model of another shape than this run's .* choose an"):
-        run_script(*args(cifar_like, wider, tmp_path / "again", "--max_steps", "4", *SAVE_EVERY_2,
-                         "--resume_from_checkpoint", out / "checkpoint-2"))  # fmt: skip
+    checkpoint = out / "checkpoint-2"
+    resume = ("--resume_from_checkpoint", checkpoint)
+    flag_fix = "pass --resume_from_checkpoint a checkpoint of this model, or drop the flag to start fresh"
+    cases = [  # (the run, the line): the flag names another model's checkpoint; or the same folder finds one
+        (args(cifar_like, tiny_vit, tmp_path / "coarse", "--max_steps", "4", *SAVE_EVERY_2, *resume,
+              "--label_column_name", "coarse_label"), f"(100 classes there, 20 here): {flag_fix}"),
+        (args(cifar_like, wider, tmp_path / "wide", "--max_steps", "4", *SAVE_EVERY_2, *resume),
+         f"(vit.embeddings.cls_token [1, 1, 32] there, [1, 1, 48] here): {flag_fix}"),
+        (args(cifar_like, tiny_vit, out, "--max_steps", "4", *SAVE_EVERY_2, "--label_column_name", "coarse_label"),
+         "(100 classes there, 20 here): choose another --output_dir, or pass --overwrite_output_dir to start over"),
+    ]  # fmt: skip
+    import logging
+
+    reports = []  # what transformers logs (it does not propagate to pytest's capture): its load report
+    handler = logging.Handler()
+    handler.emit = lambda record: reports.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        for argv, line in cases:
+            with pytest.raises(RecipeError) as caught:
+                run_script(*argv)
+            assert str(caught.value) == f"{checkpoint} is a checkpoint of another model {line}"
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [r for r in reports if "LOAD REPORT" in r]  # the report transformers' own line pointed at
 
 
 def test_sigterm_at_a_random_step_saves_a_checkpoint_and_the_same_command_ends_as_the_uninterrupted_run(

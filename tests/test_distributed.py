@@ -1229,6 +1229,43 @@ def test_too_many_processes_for_this_machine_is_one_error_line_not_one_per_proce
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_processes_past_the_gpus_step_aside_and_the_rest_train_as_one_group_under_accelerate_launch(tmp_path):
+    """The zero3 command as typed on a machine of fewer GPUs than its config's 8 processes: it was our line, then
+    accelerate's ChildFailedError report (~40 lines). Now the processes past the GPUs exit 0 before any collective,
+    torch's elastic agent (which accelerate launch runs) waits for the others, and those form a group of the GPU
+    count and train; one line says so. Here 3 processes on a machine that "has" 2 (tests/step_aside_worker.py)."""
+    from vit_recipes.launch import check_processes
+
+    command = [tool("accelerate"), "launch", "--config_file", "accelerate_configs/zero3.yaml", "--num_processes", "3",
+               "--main_process_port", str(free_port()), "tests/step_aside_worker.py", str(tmp_path)]  # fmt: skip
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    env = launch_env(PYTHONPATH=pythonpath)
+    env.pop("ACCELERATE_USE_CPU", None)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in text and "ChildFailedError" not in text, text[-6000:]
+    found = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
+    assert [(r["rank"], r["world"], r["sum"]) for r in found] == [(0, 2, 2.0), (1, 2, 2.0)], found
+    assert found[0]["note"] == (
+        "3 processes were launched on this machine, which has 2 GPU(s): 1 exited before the process group and 2 "
+        "train, global batch 16 (3 would have made 24); --num_processes 2 launches only these"
+    )
+    # Two machines (their ranks would need numbering across both), or a launcher other than torchrun: refused
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "device_count", lambda: 2)
+        patch.setenv("TORCHELASTIC_RUN_ID", "none")
+        patch.setenv("WORLD_SIZE", "8")
+        patch.setenv("LOCAL_WORLD_SIZE", "4")
+        with pytest.raises(RecipeError, match="4 processes on this machine but only 2 GPU"):
+            check_processes(use_cpu=False)
+        patch.delenv("TORCHELASTIC_RUN_ID")
+        patch.setenv("WORLD_SIZE", "4")
+        with pytest.raises(RecipeError, match="4 processes on this machine but only 2 GPU"):
+            check_processes(use_cpu=False)
+
+
 FSDP2_WORKER = "tests/fsdp2_cpu_worker.py"
 FSDP2_RESUME_STEPS, FSDP2_SAVED_AT = 6, 3
 

@@ -5,6 +5,8 @@ script's predictions.csv says."""
 from __future__ import annotations
 
 import csv
+import json
+import types
 from pathlib import Path
 
 import pytest
@@ -194,20 +196,67 @@ def test_the_memory_advisor_and_the_flop_count_size_each_family(family):
     assert forward_flops(config, image_size=32) > 2 * params  # at least one multiply-add per weight
 
 
-def test_the_image_processor_is_read_for_the_size_only_when_the_config_has_none(tiny_vit, monkeypatch):
-    """ResNet's config has no image_size (its processor gives 32 here); ViT's has one, and start-up reads no more."""
-    import types
+def test_the_image_processor_of_a_hub_model_is_fetched_once_for_the_size_and_the_normalisation(monkeypatch):
+    """Every model's processor is read for its size now (training_image_size): a Hub one is asked for once a run,
+    which reads it again for mean/std (the Hub's answer, offline or not, takes a round trip)."""
+    from transformers import AutoImageProcessor
 
     from vit_recipes import modeling
 
-    def read(model_args):
-        raise AssertionError("a config with its own image_size must not load the image processor for it")
+    processor = tiny("dinov2")[1]
+    asked = []
+    modeling._load_processor.cache_clear()
+    monkeypatch.setattr(AutoImageProcessor, "from_pretrained", lambda name, **kw: asked.append(name) or processor)
+    args = types.SimpleNamespace(model_name_or_path="someone/dinov2-tiny", image_processor_name=None, cache_dir=None)
+    assert modeling.processor_image_size(args) == 32 and modeling.mean_std(args)[0] == tuple(processor.image_mean)
+    assert asked == ["someone/dinov2-tiny"]
 
-    monkeypatch.setattr(modeling, "processor_image_size", read)
-    args = types.SimpleNamespace(model_name_or_path=str(tiny_vit), config_name=None, config_overrides=None,
-                                 cache_dir=None, model_revision="main", attn_implementation="auto",
-                                 image_processor_name=None, patch_embedding_matmul=False, drop_path_rate=None)  # fmt: skip
-    assert modeling.build_model(args, ["a", "b"])[1] == 16
+
+def test_dinov2_trains_at_its_processors_size_and_a_model_that_cannot_keeps_its_own(
+    cifar_like, predict_folder, tmp_path, run_script, capsys, caplog
+):
+    """DINOv2's config says 518 (its position table), its processor crops 224, which pipeline() and the peer feed
+    it: the run trained at 518, 5x the tokens. Here 64 and 32: it trains at 32 (its embeddings interpolate the
+    table), says so in its start line, drops patches of 32-px images, and saves a processor that crops 32, which
+    pipeline() follows to the run's own predictions. DeiT refuses another size than its config's: it keeps its own."""
+    import torch
+    from transformers import AutoModelForImageClassification, pipeline
+
+    from vit_recipes.modeling import training_image_size
+
+    deit, deit_processor = tiny("deit")
+    deit_processor.size = {"height": 48, "width": 48}
+    AutoModelForImageClassification.from_config(deit).save_pretrained(tmp_path / "deit")
+    deit_processor.save_pretrained(tmp_path / "deit")
+    args = types.SimpleNamespace(model_name_or_path=str(tmp_path / "deit"), image_processor_name=None, cache_dir=None)
+    caplog.set_level("WARNING", logger="vit_recipes.modeling")
+    assert training_image_size(args, deit, "deit") == 32
+    assert "feeds it 48 px, but DeiTForImageClassification runs only at its config's image_size 32" in caplog.text
+    torch.manual_seed(0)
+    config, processor = tiny("dinov2")
+    config.image_size = 64  # the position table's grid: 8x8 patches of 8 px
+    source = tmp_path / "dinov2"
+    AutoModelForImageClassification.from_config(config).save_pretrained(source)
+    processor.save_pretrained(source)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    run_script("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", out, "--max_steps", "2",
+               "--per_device_train_batch_size", "8", "--do_train", "true", "--do_eval", "true", "--do_predict", "true",
+               "--predict_images", predict_folder, "--patch_dropout", "0.5", *FAST_ARGS, "--plots", "false")  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "Full fine-tuning: trainable params " in printed and "; input 32x32 px" in printed
+    assert "--patch_dropout 0.5: training images keep 8 of 16 patches" in printed  # 16 patches of 32 px, not 64
+    saved = json.loads((out / "preprocessor_config.json").read_text())
+    assert (
+        saved["crop_size"] == {"height": 32, "width": 32}
+        and json.loads((out / "config.json").read_text())["image_size"] == 64
+    )  # the table stays: the checkpoint reloads as it was
+    with open(out / "predictions.csv") as f:
+        ours = {row["file"]: row for row in csv.DictReader(f)}
+    classify = pipeline("image-classification", model=str(out), device="cpu")
+    for name, row in ours.items():
+        best = classify(str(predict_folder / name), top_k=1)[0]
+        assert (best["label"], best["score"]) == (row["label"], pytest.approx(float(row["score"]), abs=1e-4)), name
 
 
 def train_and_predict(run_script, dataset, source, out, predict_folder) -> dict:

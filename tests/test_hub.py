@@ -221,6 +221,22 @@ def test_model_card_history_versions_limitations_and_a_placeholder_repo(tmp_path
     assert "## Limitations\n\n- Trained on 8 images of digits" in body
 
 
+def test_the_cards_results_lead_with_balanced_figures_when_train_is_imbalanced():
+    """The summary led with balanced accuracy on an imbalanced train split, the results table below it with plain
+    accuracy: both lead with the balanced figures now (model-index too), and a balanced dataset keeps accuracy first."""
+    test = {"test_accuracy": 0.93, "test_f1_macro": 0.61, "test_precision_macro": 0.7, "test_recall_macro": 0.58}
+    info = card_info(test_metrics=test, validation_metrics={}, imbalance=(6, 115), worst_recall=[("baby", 0.1)])
+    card = build_model_card(info)
+    table = card.text.split("## Results\n\n")[1].split("\n\n")[0].splitlines()
+    assert [row.split(" | ")[0] for row in table[2:]] == [
+        "| Balanced accuracy (mean per-class recall)", "| F1 (macro)", "| Accuracy", "| Precision (macro)"
+    ]  # fmt: skip
+    assert [r.metric_name for r in card.data.eval_results][:3] == ["Recall (macro)", "F1 (macro)", "Accuracy"]
+    assert "**58.00%** balanced accuracy" in card.text  # the summary above it, as before
+    balanced = build_model_card(card_info(test_metrics=test, validation_metrics={}))
+    assert balanced.text.split("## Results\n\n")[1].splitlines()[2].startswith("| Accuracy | - | 0.9300 |")
+
+
 def test_model_card_without_test_split_reports_validation(tmp_path):
     card = build_model_card(card_info(test_metrics={}))
     assert {r.dataset_split for r in card.data.eval_results} == {"validation"}

@@ -50,8 +50,25 @@ def test_not_an_image_classification_checkpoint(tmp_path):
     )
     with pytest.raises(RecipeError, match="is a bert model, not an image-classification one"):
         build_model(model_args(model_name_or_path=str(tmp_path)), ["x", "y"])
-    with pytest.raises(RecipeError, match="cannot load model"):
+    with pytest.raises(RecipeError, match="^model path not found: .*missing$"):
         build_model(model_args(model_name_or_path=str(tmp_path / "missing")), ["x", "y"])
+
+
+@pytest.mark.parametrize(
+    ("flag", "what"),
+    [("--model_name_or_path", "model"), ("--config_name", "config"), ("--image_processor_name", "image processor")],
+)
+def test_a_model_path_that_does_not_exist_is_named_before_any_data(flag, what, tiny_vit, tmp_path, run_script):
+    """/abs/path/missing ended in the Hub client's "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'"; a missing --image_processor_name was dropped without a word (mean/std 0.5)."""
+    from conftest import FAST_ARGS
+
+    missing = str(tmp_path / "no" / "such" / "folder")
+    argv = ["--dataset_name", tmp_path / "no-data-either", "--output_dir", tmp_path / "out", "--do_train", "true"]
+    argv += ["--model_name_or_path", "null" if flag == "--config_name" else tiny_vit, flag, missing]
+    with pytest.raises(RecipeError) as caught:
+        run_script(*argv, *FAST_ARGS)
+    assert str(caught.value) == f"{what} path not found: {missing}"  # before the (missing) dataset is read
 
 
 class _RunsCode:

@@ -72,6 +72,12 @@ class ModelArguments:
         "patches: same sums, faster on a GPU; weights and saved models unchanged (false keeps the convolution).",
     )
 
+    def __post_init__(self):
+        nulls = ("null", "none", "")  # YAML's null, typed on the command line (docs/usage.md's from-scratch command)
+        for name in ("model_name_or_path", "config_name", "image_processor_name"):
+            if str(getattr(self, name)).strip().lower() in nulls:
+                setattr(self, name, None)
+
 
 def _default_workers() -> int:
     return min(8, max(1, (os.cpu_count() or 2) // 2))
@@ -105,8 +111,14 @@ class DataArguments:
     validation_split_percentage: float = _arg(
         0.1, "Fraction of train carved (seeded, stratified) into validation when there is none."
     )
-    max_train_samples: int | None = _arg(None, "Cap train at this many images: a seeded sample, stratified by class.")
-    max_eval_samples: int | None = _arg(None, "Cap validation and test: a seeded sample, stratified by class.")
+    max_train_samples: int | None = _arg(
+        None, "Cap train at this many images (1 or more): a seeded sample, stratified by class."
+    )
+    max_eval_samples: int | None = _arg(
+        None,
+        "Cap validation and test at this many images each (1 or more): a seeded sample, stratified by class. To "
+        "evaluate nothing, pass --eval_strategy no --do_eval false instead.",
+    )
     storage_size: int | None = _arg(
         None,
         "Side of the square uint8 images the DataLoader delivers. Default: the native size when most images share one "
@@ -132,6 +144,19 @@ class DataArguments:
         help_text="Processes decoding images once into the cache (default: all cores).", default_factory=os.cpu_count
     )
     predict_images: str | None = _arg(None, "--do_predict: a folder or one image to classify into predictions.csv.")
+
+    def __post_init__(self):
+        # 0 is refused, not read as "no cap" (the split in full) nor as "no evaluation" (which needs other flags)
+        ways_out = {
+            "max_train_samples": "to evaluate without training, pass --do_train false",
+            "max_eval_samples": "to evaluate nothing, pass --eval_strategy no --do_eval false",
+        }
+        for name, way_out in ways_out.items():
+            cap = getattr(self, name)
+            if cap is not None and cap < 0:
+                raise RecipeError(f"--{name} must be a number of images (1 or more), got {cap}")
+            if cap == 0:
+                raise RecipeError(f"--{name} 0 would leave no images: {way_out}; or drop the flag to use every image")
 
 
 @dataclass
@@ -486,6 +511,8 @@ def parse_args(
     )
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
+    for each in (parser, pre):  # argparse prints the whole usage (~100 lines) above its one line: ours is that line
+        each.error = _one_line_error
     known, _ = pre.parse_known_args(argv)
     if known.config:
         parser.set_defaults(**load_recipe(known.config, parser))
@@ -518,6 +545,11 @@ def parse_args(
         args.training.hub_token = None
     validate_arguments(args)
     return args
+
+
+def _one_line_error(message: str):
+    """argparse's own errors (a value of the wrong type, a flag without its value) as one RecipeError line."""
+    raise RecipeError(f"{message} (`--help` lists the arguments)")
 
 
 _NEGATIVE_NUMBER = re.compile(r"^-(\d|\.\d|inf$)")

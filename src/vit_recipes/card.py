@@ -137,10 +137,26 @@ def _history_row(entry: dict) -> dict:
     return row
 
 
+def _leading(info: CardInfo, validation: dict, test: dict) -> tuple[str, ...]:
+    """The metrics that come first: balanced ones when train is imbalanced (the summary's rule; plain accuracy
+    flatters a model that ignores small classes), else none."""
+    balanced = info.imbalance and not info.multi_label and "recall_macro" in (test or validation)
+    return ("recall_macro", "f1_macro") if balanced else ()
+
+
+def _in_order(keys, lead: tuple[str, ...]) -> list[str]:
+    """`lead` first, then the metrics model-index knows, the loss last."""
+    rank = lambda k: (lead.index(k) if k in lead else len(lead), _metric_spec(k) is None, k == "loss")  # noqa: E731
+    return sorted(keys, key=rank)
+
+
 def _body(info: CardInfo, validation: dict, test: dict) -> str:
     parts = [f"# {info.model_name}", _summary(info, validation, test)]
-    keys = sorted(dict.fromkeys([*validation, *test]), key=lambda k: (_metric_spec(k) is None, k == "loss"))
+    lead = _leading(info, validation, test)
+    keys = _in_order(dict.fromkeys([*validation, *test]), lead)
     label = {k: spec["metric_name"] if (spec := _metric_spec(k)) else k.replace("_", " ").capitalize() for k in keys}
+    if lead:
+        label["recall_macro"] = "Balanced accuracy (mean per-class recall)"
     rows = [(label[k], *(f"{m[k]:.4f}" if k in m else "-" for m in (validation, test))) for k in keys]
     parts.append("## Results\n\n" + _table(("Metric", "Validation", "Test"), rows))
     if not test:
@@ -205,9 +221,9 @@ def build_model_card(info: CardInfo) -> ModelCard:
     split, metrics = ("test", test) if test else ("validation", validation)  # model-index reports one split
     dataset = info.dataset_id if info.dataset_is_hub else Path(info.dataset_id).name or info.dataset_id
     task = {"task_type": "image-classification", "task_name": "Image Classification", "dataset_split": split}
-    eval_results = [
-        EvalResult(**task, dataset_type=dataset, dataset_name=dataset, metric_value=value, **spec)
-        for key, value in metrics.items()
+    eval_results = [  # in the table's order: balanced figures first when train is imbalanced
+        EvalResult(**task, dataset_type=dataset, dataset_name=dataset, metric_value=metrics[key], **spec)
+        for key in _in_order(metrics, _leading(info, validation, test))
         if (spec := _metric_spec(key))
     ]
     if info.library_name == "peft" and not info.base_model:

@@ -8,9 +8,10 @@ import torch
 from transformers import PreTrainedModel
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME
+from transformers.utils import logging as hf_logging
 
 from .errors import RecipeError, first_line
-from .run_dir import mark_complete, write_loss_record
+from .run_dir import how_checkpoint_differs, mark_complete, write_loss_record
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +78,23 @@ class CheckpointFiles:
         try:
             if not self._plain_weights_in(resume_from_checkpoint, model):
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)
-            loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
+            level = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # its load report: a mismatch is said in the one line below
+            try:
+                loaded = type(model).from_pretrained(resume_from_checkpoint, config=model.config)
+            finally:
+                hf_logging.set_verbosity(level)
             model.load_state_dict(loaded.state_dict(), strict=True)
         except Exception as err:  # truncated or corrupt files: SafetensorError, UnpicklingError, OSError, ...
             if any(w in str(err) for w in ("size mismatch", "ignore_mismatched_sizes", "shape")):  # another model's
+                shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}  # ZeRO-3
+                # transformers' first line points at a report it logged above ("look at the above report"): ours
+                differs = how_checkpoint_differs(resume_from_checkpoint, model.config.num_labels, shapes)
+                fix = "choose another --output_dir, or pass --overwrite_output_dir to start over"
+                if self.args.resume_from_checkpoint:  # the flag named it: the fix is the flag's value
+                    fix = "pass --resume_from_checkpoint a checkpoint of this model, or drop the flag to start fresh"
                 raise RecipeError(
-                    f"{resume_from_checkpoint} holds a model of another shape than this run's ({first_line(err)}): "
-                    "it is another model's checkpoint; choose another --output_dir, or pass --overwrite_output_dir "
-                    "to start over"
+                    f"{resume_from_checkpoint} is a checkpoint of another model ({differs or first_line(err)}): {fix}"
                 ) from err
             raise RecipeError(
                 f"cannot read the weights of {resume_from_checkpoint} ({first_line(err)}): delete that folder to "

@@ -15,7 +15,15 @@ import torch
 from .classifiers import classifier_class
 from .data import resolve_source
 from .errors import RecipeError
-from .hub import LOCAL_BUILDERS, check_push_ready, hub_error_message, offline_env, reachable_or_cached, written_as_path
+from .hub import (
+    LOCAL_BUILDERS,
+    check_local_path,
+    check_push_ready,
+    hub_error_message,
+    offline_env,
+    reachable_or_cached,
+    written_as_path,
+)
 from .launch import is_true, visible_gpus
 from .levers import add_drop_path, transformer_layers
 from .memory import config_from_args, host_memory_for, model_size_from_args
@@ -385,6 +393,12 @@ def check_hub(args) -> None:
     from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
 
     check_push_ready(args.training)
+    for flag, what in (
+        ("model_name_or_path", "model"),
+        ("config_name", "config"),
+        ("image_processor_name", "image processor"),
+    ):
+        check_local_path(getattr(args.model, flag), what)  # an image processor not found was dropped without a word
     model, dataset = args.model, resolve_source(args.data.dataset_name)[0] if args.data.dataset_name else None
     if _hub_id(name := model.model_name_or_path):
         what = f"download the model '{name}'"

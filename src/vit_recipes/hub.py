@@ -25,6 +25,13 @@ def written_as_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
+def check_local_path(name: str | None, what: str) -> None:
+    """A name written as a local path that does not exist: one line saying so, where the Hub client would answer
+    "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    if name and written_as_path(name) and not os.path.exists(os.path.expanduser(name)):
+        raise RecipeError(f"{what} path not found: {name}")
+
+
 def offline_env() -> bool:
     # huggingface_hub reads HF_HUB_OFFLINE once at import: also look at the environment now (as launch.is_true).
     names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")

@@ -5,6 +5,7 @@ import contextlib
 import glob
 import logging
 import os
+import sys
 import time
 
 from .errors import RecipeError
@@ -31,6 +32,9 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+_STEPPED_ASIDE: dict[str, int] = {}  # {"launched": N, "gpus": G} once the surplus processes stepped aside
+
+
 def check_processes(use_cpu: bool) -> None:
     """Processes per machine (LOCAL_WORLD_SIZE; deepspeed's: LOCAL_SIZE) against GPUs, before the process group."""
     world, local = env_int("WORLD_SIZE"), env_int("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE")
@@ -42,11 +46,43 @@ def check_processes(use_cpu: bool) -> None:
             "For N CPU processes over gloo pass --use_cpu true to the script and --num_processes N to accelerate "
             "(--num_gpus N to deepspeed), or launch on a machine with GPUs"
         )
-    if local > gpus:
+    if local > gpus and world == local and os.environ.get("TORCHELASTIC_RUN_ID"):
+        step_aside(local, gpus)  # the shipped accelerate configs' 8 processes on a machine of fewer GPUs
+    elif local > gpus:
         raise RecipeError(
             f"{local} processes on this machine but only {gpus} GPU(s) visible: launch at most {gpus} "
             f"(--num_processes {gpus} with accelerate, --num_gpus {gpus} with deepspeed)"
         )
+
+
+def step_aside(launched: int, gpus: int) -> None:
+    """One machine, more processes than GPUs, started by torchrun (`accelerate launch` runs torch's elastic agent):
+    processes with a local rank past the GPUs exit now, status 0, and the others train as a world of `gpus`.
+
+    Sound under that launcher, and only before any collective: the agent ends the run at a worker's non-zero exit
+    (stopping the others: the ChildFailedError report) but counts an exit 0 as that worker done and waits for the
+    rest (torch.distributed.elastic's SubprocessContext._poll), and no process has joined a group yet: the kept ones
+    form theirs from WORLD_SIZE, set here, through the agent's store (which counts no workers). Several machines
+    are refused instead: their ranks would need numbering across machines, whose GPU counts this one cannot see;
+    the deepspeed launcher is given its count (--num_gpus) or takes every GPU."""
+    if env_int("LOCAL_RANK", default=0) >= gpus:
+        sys.exit(0)  # nothing printed: the kept local rank 0 says it once (stepped_aside_note)
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"):  # torchrun's; RANK and LOCAL_RANK stay
+        if name in os.environ:
+            os.environ[name] = str(gpus)
+    _STEPPED_ASIDE.update(launched=launched, gpus=gpus)
+
+
+def stepped_aside_note(global_batch: int) -> str | None:
+    """The line that says processes stepped aside (step_aside), and what it did to the global batch; else None."""
+    if not _STEPPED_ASIDE:
+        return None
+    launched, gpus = _STEPPED_ASIDE["launched"], _STEPPED_ASIDE["gpus"]
+    return (
+        f"{launched} processes were launched on this machine, which has {gpus} GPU(s): {launched - gpus} exited "
+        f"before the process group and {gpus} train, global batch {global_batch} ({launched} would have made "
+        f"{global_batch * launched // gpus}); --num_processes {gpus} launches only these"
+    )
 
 
 def remove_stale_shm_buffers(min_age_s: float = 5.0) -> list[str]:

@@ -8,7 +8,7 @@ from transformers.utils import logging
 
 from .classifiers import classifier_class
 from .errors import RecipeError, first_line
-from .hub import offline_env, reachable_or_cached, written_as_path
+from .hub import check_local_path, offline_env, reachable_or_cached, written_as_path
 from .strategies import STRATEGIES, StrategySpec
 
 logger = logging.get_logger(__name__)  # transformers': it has warning_once
@@ -31,6 +31,7 @@ def load_config(name: str, cache_dir: str | None = None, revision: str = "main")
 
     if name in CONFIG_MAPPING_NAMES:
         return AutoConfig.for_model(name)
+    check_local_path(name, "model")
     reachable_or_cached(name, cache_dir, revision, f"download the config of '{name}'")
     try:
         return AutoConfig.from_pretrained(os.path.expanduser(name), cache_dir=cache_dir, revision=revision)

@@ -70,8 +70,7 @@ def build_model(model_args, label_names: list[str]):
     config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
     if hasattr(config, "label_names"):  # timm's config.json: saved instead of id2label, and it would win
         config.label_names = list(label_names)
-    processor_size = None if getattr(config, "image_size", None) else processor_image_size(model_args)  # ResNet
-    image_size = check_config(config, source, processor_size)
+    image_size = training_image_size(model_args, config, source)
     rate, own = model_args.drop_path_rate, hasattr(config, "drop_path_rate")  # BEiT, DINOv2, Swin, ConvNeXt, ...
     if rate is not None and own:
         config.drop_path_rate = rate
@@ -122,6 +121,54 @@ def build_model(model_args, label_names: list[str]):
     return model, image_size
 
 
+def training_image_size(model_args, config: PretrainedConfig, source: str, say: bool = True) -> int:
+    """The side of the square images the model trains on: its image processor's (its crop, else its resize: what
+    pipeline() and transformers' example feed it) where the model runs at that size as it is, else its config's
+    image_size. They differ for DINOv2: 518 in the config, the size of its position table, which it interpolates to
+    the 224 its processor crops (5x fewer tokens). `say`: log which, and why, when they differ."""
+    processor_size = processor_image_size(model_args)
+    own = check_config(config, source, processor_size)  # the config's (else the processor's: ResNet has none)
+    if not processor_size or processor_size == own:
+        return own
+    patch = getattr(config, "patch_size", None)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    if (isinstance(patch, int) and processor_size % patch) or not runs_at(config, processor_size):
+        if say:
+            logger.warning(
+                "The image processor of %s feeds it %d px, but %s runs only at its config's image_size %d (without "
+                "interpolate_pos_encoding, which pipeline() does not pass): training at %d px; the saved image "
+                "processor says so",
+                source, processor_size, classifier_class(config).__name__, own, own,
+            )  # fmt: skip
+        return own
+    if say:
+        logger.info(
+            "Training at %d px, the size the image processor of %s feeds it; the config's image_size %d is the size "
+            "of its position table, which %s interpolates",
+            processor_size, source, own, classifier_class(config).__name__,
+        )  # fmt: skip
+    return processor_size
+
+
+def runs_at(config: PretrainedConfig, size: int) -> bool:
+    """Whether the model runs on size x size images as it is (no flag to pass to forward): one forward pass on the
+    meta device (shapes only, no memory). DINOv2 interpolates its position embeddings, convolutional families and
+    Swin take any size; ViT and DeiT refuse another size than their config's."""
+    import copy
+
+    import torch
+    from accelerate import init_empty_weights
+
+    try:  # the class itself, not from_config: under ZeRO-3, from_config would partition it (deepspeed.zero.Init)
+        with init_empty_weights(include_buffers=True):
+            model = classifier_class(config)(copy.deepcopy(config))
+        with torch.no_grad():
+            model(pixel_values=torch.empty(1, getattr(config, "num_channels", 3), size, size, device="meta"))
+        return True
+    except Exception:  # noqa: BLE001 - whatever refuses the size (ViT's ValueError, a shape mismatch): not this size
+        return False
+
+
 def attention_for(config: PretrainedConfig, asked: str) -> str | None:
     """The attention implementation: 'auto' lets transformers pick (SDPA, else eager); 'sdpa' unsupported: one line."""
     model_class = classifier_class(config)
@@ -142,8 +189,17 @@ def attention_for(config: PretrainedConfig, asked: str) -> str | None:
 def _image_processor(model_args):
     """The checkpoint's image processor (--image_processor_name, else the model's), or None when there is none."""
     source = model_args.image_processor_name or model_args.model_name_or_path
+    if not source:
+        return None
+    if os.path.exists(os.path.expanduser(source)):  # a local folder: read again (a run may have rewritten it)
+        return _load_processor.__wrapped__(source, model_args.cache_dir)
+    return _load_processor(source, model_args.cache_dir)  # a Hub id: one call per run (input size, then mean/std)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_processor(source: str, cache_dir: str | None):
     try:
-        return AutoImageProcessor.from_pretrained(source, cache_dir=model_args.cache_dir) if source else None
+        return AutoImageProcessor.from_pretrained(os.path.expanduser(source), cache_dir=cache_dir)
     except (OSError, ValueError, AttributeError, TypeError):
         return None
 
@@ -201,11 +257,12 @@ def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, tra
         targets = config.target_modules
         setup.lora = {"lora_r": config.r, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout}
         setup.lora["lora_target_modules"] = targets if isinstance(targets, str) else ", ".join(sorted(targets))
+    size = f"; input {image_size}x{image_size} px"  # the processor's where the model takes it: training_image_size
     if not getattr(training_args, "do_train", True):  # evaluating or predicting: nothing is trained
         if getattr(training_args, "should_log", True):
-            print(f"Model: {total:,} parameters (not trained in this run)", flush=True)
+            print(f"Model: {total:,} parameters (not trained in this run){size}", flush=True)
     elif getattr(training_args, "should_log", True):  # the main process; printed, as the script's summary is
-        print(f"{what}: trainable params {trainable:,} of {total:,} ({percent:.2f}%){detail}", flush=True)
+        print(f"{what}: trainable params {trainable:,} of {total:,} ({percent:.2f}%){detail}{size}", flush=True)
     return model, image_size, setup
 
 

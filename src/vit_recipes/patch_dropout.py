@@ -31,13 +31,14 @@ def keep_patches(tokens: torch.Tensor, prefix: int, keep: int) -> torch.Tensor:
     return torch.cat([tokens[:, :prefix], kept], dim=1)
 
 
-def add_patch_dropout(model: nn.Module, rate: float) -> int:
-    """Drop `rate` of the patch tokens of every training forward of `model`; returns the patches kept per image."""
+def add_patch_dropout(model: nn.Module, rate: float, image_size: int | None = None) -> int:
+    """Drop `rate` of the patch tokens of every training forward of `model` on `image_size` images (default: the
+    config's; DINOv2 trains at its processor's, below its config's); returns the patches kept per image."""
     if rate <= 0:
         return 0
     embeddings, prefix = token_embeddings(model)
     sizes = [v[0] if isinstance(v, (list, tuple)) else v for v in (model.config.image_size, model.config.patch_size)]
-    patches = (sizes[0] // sizes[1]) ** 2
+    patches = ((image_size or sizes[0]) // sizes[1]) ** 2
     keep = max(1, round(patches * (1 - rate)))
     embeddings.register_forward_hook(lambda m, args, out: keep_patches(out, prefix, keep) if m.training else out)
     logger.warning(f"--patch_dropout {rate:g}: training images keep {keep} of {patches} patches; evaluation sees all")

@@ -15,9 +15,10 @@ from . import strategies
 from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config, set_checkpointing
 from .checks import check_plan, config_value, deepspeed_checkpoint_world_size, turned_on
 from .errors import RecipeError, first_line
-from .launch import bind_deepspeed_comm, env_int, is_true
+from .launch import bind_deepspeed_comm, env_int, is_true, stepped_aside_note
 from .lora import is_adapter_dir
 from .memory import PREFERENCE, config_from_args, estimate, gib, model_shape
+from .modeling import training_image_size
 from .run_dir import OutputState, lock_output_dir, remove_checkpoints, resolve_output_dir, to_universal
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,8 @@ def build_plan(args: RunArguments) -> RunPlan:
         f"{weights if half else ''} on {plan.device}, global batch {global_batch}, output dir {plan.output.state}"
         f"{resumed}"
     )
+    if (note := stepped_aside_note(global_batch)) and t.process_index == 0:
+        logger.warning(note)
     if half and not strategy.autocast and t.process_index == 0:
         logger.warning(
             f"{strategy.deepspeed_source} trains in DeepSpeed's {precision} mode: {precision} weights, which learn "
@@ -210,7 +213,9 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     budget, world = FITS_WITHIN * gpu, strategy.world_size
     try:  # full fine-tuning's states: an upper bound for LoRA and head-only runs
-        shape = model_shape(config_from_args(args.model)[0])
+        config, source = config_from_args(args.model)[0], args.model.model_name_or_path or args.model.config_name
+        # the tokens of the size it trains at (DINOv2: its processor's 224, not its config's 518; modeling.py)
+        shape = replace(model_shape(config), image_size=training_image_size(args.model, config, source, say=False))
         by_name = {e.strategy.name: e for e in estimate(shape, world, batch, strategy.nodes, precision, keys=rows)}
     except (RecipeError, OSError, ValueError, AttributeError, KeyError) as err:  # not ViT-shaped, or not readable yet
         if t.checkpointing_by_memory:

@@ -62,6 +62,28 @@ def read_loss_record(checkpoint: str | os.PathLike | None) -> float | None:
     return float(json.loads(path.read_text())["loss_sum"]) if path is not None and path.is_file() else None
 
 
+def how_checkpoint_differs(checkpoint: str | os.PathLike, num_labels: int, shapes: dict[str, tuple]) -> str | None:
+    """What makes `checkpoint` another model than this run's (`num_labels` classes, parameter name -> shape), from its
+    config.json and model.safetensors header: "5 classes there, 10 here" and the first other parameter whose shape
+    differs. None when its files say neither."""
+    folder, found = Path(checkpoint), []
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    there = len(config.get("id2label") or {}) or config.get("num_labels")
+    if there and there != num_labels:
+        found.append(f"{there} classes there, {num_labels} here")
+    if (folder / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not iterable)
+        head = lambda a, b: a[:1] == (there,) and b[:1] == (num_labels,)  # noqa: E731 (said as the class count)
+        if other := next(
+            (k for k, v in shapes.items() if k in saved and saved[k] != v and not head(saved[k], v)), None
+        ):
+            found.append(f"{other} {list(saved[other])} there, {list(shapes[other])} here")
+    return "; ".join(found) or None
+
+
 def _differences(saved: dict, now: dict) -> list[str]:
     keys = sorted(set(saved) | set(now))
     return [f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in keys if saved.get(k) != now.get(k)]
