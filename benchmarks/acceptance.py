@@ -21,6 +21,9 @@ Hub (CIFAR-100-shaped PNGs, randomly initialised ViT-B/16 and ViT-H/14), then ch
 - single (one GPU): the default command (short: eager, one line says why), --torch_compile_regions true, the
   fine-tuning levers together, --patch_dropout 0.5, LoRA (saved, merged, reloaded),
   multi-label, --class_weights balanced, predict-only from a trained folder, TE FP8 (where transformer_engine imports);
+- data: photos (JPEGs of 400-520 px) decoded per batch, and a stream of unequal parquet shards (--streaming), each
+  under DDP and ZeRO-2 on every GPU: the log says which path, each killed (SIGKILL) after checkpoint-10 and resumed
+  by the same command to the uninterrupted run's weights, pipeline() scores the saved models;
 - vith: the README's `accelerate launch --config_file accelerate_configs/zero3.yaml` command with the ViT-H recipe on
   every GPU, and the same command without --num_processes (on fewer than 8 GPUs: those GPUs train, one line
   says so).
@@ -55,7 +58,8 @@ from benchmarks import common  # noqa: E402
 from vit_recipes.memory import AUTOCAST  # noqa: E402
 from vit_recipes.strategies import BY_NAME  # noqa: E402
 
-PARTS = ("strategies", "kill", "resume", "single", "vith")
+PARTS = ("strategies", "kill", "resume", "single", "vith", "data")
+DATA = {"photos": (), "stream": ("--streaming", "true", "--shuffle_buffer_size", "0")}  # the data part's sources
 STEPS, SAVE_EVERY, GLOBAL_BATCH = 30, 10, 64
 # bf16 autocast over 30 steps: other reduction orders (sharding, another process count) move the per-step loss by
 # up to ~1% here; a wrong resume, a missed gradient or a lost optimizer state moves it by far more (tens of %).
@@ -250,6 +254,8 @@ class Suite:
             self.plan_single()
         if "vith" in parts:
             self.plan_vith()
+        if "data" in parts:
+            self.plan_data()
         wanted = {name for name, job in self.jobs.items() if job.part in parts and (not only or name in only)}
         while True:  # keep what the wanted jobs need
             more = {d for name in wanted for d in self.jobs[name].needs} - wanted
@@ -309,6 +315,18 @@ class Suite:
             self.add(Job(name, "vith", argv, gpus=0 if self.cpu else self.procs, output=out))
         if "vith" in self.jobs:
             self.score(["vith"], "vith")
+
+    def plan_data(self) -> None:
+        for source, flags in DATA.items():
+            extra = ("--dataset_name", str(self.assets / source), *flags)
+            for s in ("ddp", "zero2"):
+                self.training(f"{source}-{s}", "data", s, self.procs, extra=extra, report=False)
+            out = self.work / f"kill-{source}"
+            killed = self.training(f"kill-{source}", "data", "ddp", self.procs, out=out, extra=extra, report=False)
+            killed.kill_when = out / f"checkpoint-{SAVE_EVERY}" / "run_identity.json"
+            self.training(f"resume-{source}", "data", "ddp", self.procs, out=out, extra=extra, report=False,
+                          needs=(killed.name, f"{source}-ddp"))  # fmt: skip
+        self.score(["photos-ddp", "stream-ddp"], "data")
 
     # --------------------------------------------------------------------------------------------------- run
     def run(self) -> None:
@@ -559,7 +577,9 @@ def check(suite: Suite) -> list[dict]:
             if suite.jobs[run].result.get("exit") != 0:
                 continue  # its own check says why
             scored = _json(w / "scores" / f"{run}.json")
-            reported = _json(w / run / "all_results.json").get("test_accuracy")
+            reported = _json(w / run / "all_results.json").get(
+                "eval_accuracy" if job.part == "data" else "test_accuracy"
+            )
             if not scored:
                 add(job.part, f"{run}: the saved model reloads with pipeline()", name, False, why_failed(suite, name))
                 continue
@@ -568,17 +588,17 @@ def check(suite: Suite) -> list[dict]:
                 f"{SCORE_TOLERANCE * 100:.1f} points)", name, ok,
                 f"pipeline {scored['accuracy']:.4f} on {scored['images']} images, run {reported}")  # fmt: skip
 
-    def resumed_like_uninterrupted(title: str, s: str, folder: str, job: str, step: int) -> None:
+    def resumed_like_uninterrupted(title: str, s: str, folder: str, job: str, step: int, part: str = "kill") -> None:
         """The rerun in `folder` resumed from checkpoint-`step` and ended on the uninterrupted run's weights."""
         state = _json(w / folder / "trainer_state.json")
         resumed = re.search(rf"Resuming the run found in .* from .*checkpoint-{step}\b", log_text(suite, job))
         worst, detail = compare_weights(w / folder, w / s)
-        add("kill", f"{title} to step {STEPS}, same weights as the uninterrupted run", job,
+        add(part, f"{title} to step {STEPS}, same weights as the uninterrupted run", job,
             worst <= WEIGHT_TOLERANCE and state.get("global_step") == STEPS and resumed is not None,
             f"step {state.get('global_step')}, {'resumed' if resumed else 'NOT resumed'} from checkpoint-{step}; "
             f"{detail}")  # fmt: skip
 
-    for s in KILLED:
+    for s, part, reference in [(s, "kill", s) for s in KILLED] + [(d, "data", f"{d}-ddp") for d in DATA]:
         if f"kill-{s}" not in suite.jobs:
             continue
         killed = suite.jobs[f"kill-{s}"].result
@@ -586,11 +606,11 @@ def check(suite: Suite) -> list[dict]:
         after_kill, survivors = killed.get("after_kill"), killed.get("alive_after_kill", [])
         was_killed = (killed.get("exit") == -9 and "killed_at" in killed and not survivors
                       and after_kill == killed["killed_at"] and not killed.get("results_after_kill"))  # fmt: skip
-        add("kill", f"{s}: killed (SIGKILL, every process) after a complete checkpoint", f"kill-{s}", was_killed,
+        add(part, f"{s}: killed (SIGKILL, every process) after a complete checkpoint", f"kill-{s}", was_killed,
             f"exit {killed.get('exit')}, {len(killed.get('killed_pids', []))} processes killed, {len(survivors)} "
             f"alive after; checkpoints at the kill {killed.get('killed_at')}, before the resume {after_kill}")  # fmt: skip
-        if was_killed and ran("kill", f"resume-{s}", f"{s}: the same command again resumes"):
-            resumed_like_uninterrupted(f"{s}: resumed", s, f"kill-{s}", f"resume-{s}", SAVE_EVERY)
+        if was_killed and ran(part, f"resume-{s}", f"{s}: the same command again resumes"):
+            resumed_like_uninterrupted(f"{s}: resumed", reference, f"kill-{s}", f"resume-{s}", SAVE_EVERY, part)
     for s in SIGNALLED:
         if f"term-{s}" not in suite.jobs:
             continue
@@ -626,6 +646,12 @@ def check(suite: Suite) -> list[dict]:
             lines[-1][:300] if lines else why_failed(suite, "to1-zero3"))  # fmt: skip
     check_single(suite, add, ran)
     check_vith(suite, add, ran)
+    for name in [f"{d}-{s}" for d in DATA for s in ("ddp", "zero2") if f"{d}-{s}" in suite.jobs]:
+        said = "(--streaming)" if name.startswith("stream") else "no decoded copy on disk"
+        if ran("data", name):
+            line = next((x for x in log_text(suite, name).splitlines() if "Images decoded per batch" in x), "")
+            add("data", f"{name}: {STEPS} steps, decoded per batch ({said})", name,
+                said in line and len(losses(w / name)) == STEPS, line[line.find("Images"):][:200] or "no line")  # fmt: skip
     return rows
 
 
@@ -780,6 +806,8 @@ def build_assets(suite: Suite, parts: list[str]) -> None:
         (a / "vit-base-100").symlink_to(a / "vit-tiny")
     elif not suite.cpu and not (a / "vit-base-100").exists():
         (a / "vit-base-100").symlink_to(a / "vit-base")
+    if "data" in parts and not (a / "stream").is_dir():
+        build_data_assets(a, 200 if suite.cpu else 4000)
     if "single" in parts and not (a / "cifar100-multilabel").is_dir():
         from datasets import ClassLabel, Features, Sequence, load_dataset
 
@@ -799,20 +827,44 @@ def build_assets(suite: Suite, parts: list[str]) -> None:
             test[i]["img"].save(a / "predict" / f"{i:03d}-{names[test[i]['fine_label']]}.png")
 
 
+def build_data_assets(a: Path, images: int) -> None:
+    """photos/: an ImageNet-shaped JPEG folder (tools/jpeg_folder.py), 20 classes; stream/: the same images as parquet
+    shards of unequal sizes (40/5/37/8% of train: the two ranks read 77% and 23% of it) and a validation shard."""
+    import datasets
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from jpeg_folder import write_folder
+
+    write_folder(a / "photos", images, 20, validation=0.1)
+    loaded = datasets.load_dataset(str(a / "photos")).cast_column("image", datasets.Image(decode=False))
+    (a / "stream" / "data").mkdir(parents=True)
+    for split, shares in (("train", (0.4, 0.05, 0.37, 0.18)), ("validation", (1.0,))):
+        rows = loaded[split].map(lambda r: {"image": {"bytes": Path(r["image"]["path"]).read_bytes(), "path": None}})
+        bounds = [round(sum(shares[:i]) * len(rows)) for i in range(len(shares) + 1)]
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            rows.select(range(lo, hi)).to_parquet(
+                str(a / "stream" / "data" / f"{split}-{i:05d}-of-{len(shares):05d}.parquet")
+            )
+
+
 def score(models: list[Path], work: Path, cpu: bool) -> None:
     """pipeline() on saved models over the test split: the user's way to load what a run saved."""
     from datasets import load_dataset
     from transformers import pipeline
 
-    test = load_dataset(str(work / "assets" / "cifar100"), split="test")
-    names, images = test.features["fine_label"].names, list(test["img"])
     (work / "scores").mkdir(exist_ok=True)
     for model_dir in models:
         if not (model_dir / "config.json").is_file():
             continue  # its run failed: its own check says so
+        photos = model_dir.name.startswith(tuple(DATA))  # the data part's runs: the photos' validation split
+        test = load_dataset(
+            str(work / "assets" / ("photos" if photos else "cifar100")), split="validation" if photos else "test"
+        )
+        column, label = ("image", "label") if photos else ("img", "fine_label")
+        names, images = test.features[label].names, list(test[column])
         classifier = pipeline("image-classification", model=str(model_dir), device="cpu" if cpu else 0)
         predicted = classifier(images, batch_size=128, top_k=1)
-        right = sum(p[0]["label"] == names[y] for p, y in zip(predicted, test["fine_label"]))
+        right = sum(p[0]["label"] == names[y] for p, y in zip(predicted, test[label]))
         out = {"accuracy": right / len(test), "images": len(test)}
         (work / "scores" / f"{model_dir.name}.json").write_text(json.dumps(out))
         print(f"{model_dir.name}: {out}", flush=True)
