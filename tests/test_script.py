@@ -23,7 +23,9 @@ def tiny_run_args(data, model, out, *extra):
 
 def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, run_script, capsys):
     out = tmp_path / "run"
-    results = run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "6", "--eval_strategy", "epoch"))
+    # --storage_size 20: the 32x32 images are stored at 20x20 (unset: 18, the model's 16 / 0.875)
+    results = run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "6", "--eval_strategy", "epoch",
+                                        "--storage_size", "20"))  # fmt: skip
     printed = capsys.readouterr().out
     assert {"eval_accuracy", "eval_top5_accuracy", "eval_f1_macro", "test_accuracy", "test_top5_accuracy"} <= set(
         results
@@ -57,6 +59,7 @@ def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, ru
         assert (out / name).is_file(), name
     card = (out / "README.md").read_text()
     assert "confusion_matrix_test.png" in card and "run_image_classification.py" in card
+    assert "| storage_size | 20x20 |" in card
     # no validation split: the carve is in the log and in the card
     assert "No validation split: carved 100 of 400 train images into one (seed 42, stratified)" in printed
     assert "- validation: 100 of the 400 train images, carved out of train (seed 42, stratified)" in card
