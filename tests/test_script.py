@@ -289,6 +289,6 @@ def test_class_weights_reach_the_training_of_a_run_on_real_imbalanced_digits(dig
         assert "classes are imbalanced in train (6 to " in card and "balanced accuracy (mean per-class recall)" in card
         assert f"| class_weights | {weights} |" in card
     print(f"first training loss by --class_weights: {first_loss}")
-    # the same model, seed and first batch: only the weights differ
+    # the same model and seed: balanced weights the loss of the same first batch, balanced_sampler draws another one
     assert first_loss["balanced"] != pytest.approx(first_loss["none"], rel=1e-4), first_loss
     assert first_loss["balanced_sampler"] != pytest.approx(first_loss["none"], rel=1e-4), first_loss
