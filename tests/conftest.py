@@ -257,11 +257,12 @@ def model_args(**kw):
     return ModelArguments(**{"model_name_or_path": None, **kw})
 
 
-def signal_at_step(argv, step: int, total: int, sig, group: bool = False, **popen):
+def signal_at_step(argv, step: int, total: int, sig, group: bool = False, meanwhile=None, **popen):
     """Run `argv`, send it `sig` once its progress bar shows `step` of `total` steps; return
     (exit status, stderr) once it and (`group`) every process it started have ended. The bar is the Trainer's tqdm
     on stderr, read as it is written. `group`: the signal goes to its whole process group, as a terminal's Ctrl-C
-    or SLURM's scancel reach every process of a job."""
+    or SLURM's scancel reach every process of a job. `meanwhile()`: called once `step` is shown, before the signal,
+    while the run is training."""
     import os
     import re
     import signal
@@ -286,6 +287,12 @@ def signal_at_step(argv, step: int, total: int, sig, group: bool = False, **pope
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert reached.wait(240), "".join(seen)[-3000:]
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException:
+            run.kill()
+            raise
     started = psutil.Process(run.pid).children(recursive=True)
     if group:
         os.killpg(run.pid, sig)

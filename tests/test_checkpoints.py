@@ -244,7 +244,8 @@ def test_killed_anywhere_the_same_command_ends_as_the_uninterrupted_run(
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no_lock(tmp_path):
-    """Two runs started at once into one folder both exited 0, and one's work was lost without a word."""
+    """Two runs started at once into one folder both exited 0, and one's work was lost without a word. (A second
+    run of the script while a first one trains: the SIGTERM test above.)"""
     import subprocess
     import sys
 
@@ -337,13 +338,15 @@ def test_sigterm_at_a_random_step_saves_a_checkpoint_and_the_same_command_ends_a
     """SIGTERM (what SLURM and cloud preemption send) to every process mid-training: the run saves checkpoint-N at the
     next step end, says so in one line and exits 143; the same command resumes from it to the uninterrupted run's
     weights. It was a 97-line traceback (SIGINT) or an exit without a word (SIGTERM); with the handler alone, the
-    DataLoader worker died of the signal and took the run down mid-step."""
+    DataLoader worker died of the signal and took the run down mid-step. While it trains, the same command again
+    is refused by the output folder's lock (the script's path to the lock; the test below holds it by hand)."""
     import os
     import random
+    import re
     import signal
     import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, TRAIN_SEED
 
     steps = 150
     # A DataLoader worker too: the signal reaches every process of the group, as from scancel or a terminal. No random
@@ -354,14 +357,27 @@ def test_sigterm_at_a_random_step_saves_a_checkpoint_and_the_same_command_ends_a
     out = tmp_path / "stopped"
     command = [sys.executable, str(ROOT / "run_image_classification.py"), *map(str, args(cifar_like, tiny_vit, out,
                                                                                        *flags))]  # fmt: skip
-    at = random.Random().randint(5, 100)
+    # A step drawn from the test seed, and said: `VIT_TEST_SEED=N pytest -k sigterm` signals at the same step again
+    at = random.Random(int(TRAIN_SEED)).randint(5, 100)
+    print(f"SIGTERM at step {at} (VIT_TEST_SEED={TRAIN_SEED})")
+    refusals = []
+
+    def second_run():  # the same command while the first trains: refused by its output folder's lock, in one line
+        with pytest.raises(RecipeError) as refused:
+            run_script(*args(cifar_like, tiny_vit, out, *flags))
+        refusals.append(str(refused.value))
+
     # this process's environment: the same thread count as the in-process runs, so the same float sums
-    status, stderr = signal_at_step(command, at, steps, signal.SIGTERM, group=True, cwd=ROOT, env=os.environ)
-    assert status == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    status, stderr = signal_at_step(command, at, steps, signal.SIGTERM, group=True, meanwhile=second_run, cwd=ROOT,
+                                    env=os.environ)  # fmt: skip
+    assert re.fullmatch(rf"output_dir {re.escape(str(out))} is in use by another run \(pid \d+ on .+, since .+\): "
+                        r"wait for it to end, or choose another --output_dir", refusals[0]), refusals  # fmt: skip
+    assert status == 128 + signal.SIGTERM and "Traceback" not in stderr, f"signalled at step {at}: {stderr[-3000:]}"
     last = stderr.replace("\r", "\n").strip().splitlines()[-1]
     step = int(last.split()[3].rstrip(";"))
+    print(f"stopped at step {step}")
     assert last == f"interrupted at step {step}; checkpoint-{step} saved; run the same command to resume", last
-    assert at <= step < steps and (out / f"checkpoint-{step}" / CHECKPOINT_RECORD).is_file()
+    assert at <= step < steps and (out / f"checkpoint-{step}" / CHECKPOINT_RECORD).is_file(), (at, step)
     assert not (out / "all_results.json").exists() and not (out / "model.safetensors").exists()
     run_script(*args(cifar_like, tiny_vit, out, *flags))  # the same command
     a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")

@@ -278,7 +278,10 @@ TIMM_BLOCK = {"vit": "Block", "resnet": "BasicBlock"}
 
 
 def timm_checkpoint(kind: str, folder: Path) -> Path:
-    timm = pytest.importorskip("timm")  # it needs torchvision: runs where both import (the GPU machine)
+    # timm imports torchvision, which PyPI ships for CUDA torch only: these run on the GPU machine (docs/usage.md)
+    timm = pytest.importorskip(
+        "timm", reason="timm (with torchvision) does not import here: the GPU machine runs these"
+    )
     architecture, model_args = TIMM[kind]
     data = {"input_size": [3, 32, 32], "crop_pct": 1.0, "interpolation": "bicubic", "mean": TIMM_MEAN, "std": TIMM_STD}
     if kind == "vit":  # timm's Hub layout, written here: timm >= 1.0.2x's save_for_hf records num_classes in

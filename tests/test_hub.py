@@ -46,13 +46,24 @@ def test_check_push_ready_without_token_raises():
 
 
 def test_check_push_ready_passes_with_token(monkeypatch):
-    check_push_ready(push_args(token=FAKE_TOKEN))
+    """The token is what decides: the push refused without one passes with --hub_token, or with HF_TOKEN."""
+    with pytest.raises(RecipeError, match="needs a Hugging Face token"):
+        check_push_ready(push_args())
+    assert check_push_ready(push_args(token=FAKE_TOKEN)) is None
     monkeypatch.setenv("HF_TOKEN", ENV_TOKEN)
-    check_push_ready(push_args())
+    assert check_push_ready(push_args()) is None
 
 
-def test_check_push_ready_ignores_runs_without_push():
-    check_push_ready(push_args(push=False))
+def test_check_push_ready_ignores_runs_without_push(monkeypatch):
+    """Neither a token nor the Hub is needed by a run that does not push: what refuses a push passes without one."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # and no token (isolated_hub)
+    with pytest.raises(RecipeError, match="--push_to_hub cannot work with HF_HUB_OFFLINE=1"):
+        check_push_ready(push_args())
+    assert check_push_ready(push_args(push=False)) is None
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(RecipeError, match="needs a Hugging Face token"):
+        check_push_ready(push_args())
+    assert check_push_ready(push_args(push=False)) is None
 
 
 def test_check_push_ready_refuses_offline(monkeypatch):
@@ -62,9 +73,31 @@ def test_check_push_ready_refuses_offline(monkeypatch):
         check_push_ready(push_args())
 
 
-def test_hardware_description_is_one_short_line():
-    text = hardware_description()
-    assert text and "\n" not in text and ("x" in text or text.startswith("CPU"))
+def test_hardware_description_names_the_gpu_per_process_or_the_cpu_cores(monkeypatch):
+    """The card's hardware line: "<processes> x <GPU name>" on GPUs, else the CPU's cores (and processes, when
+    several); a broken driver costs the line its GPU, not the card."""
+    import os
+
+    import torch
+
+    cores = os.cpu_count() or 1
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert hardware_description() == f"CPU ({cores} cores)"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert hardware_description() == f"CPU ({cores} cores, 2 processes)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "NVIDIA H200")
+    assert hardware_description() == "2 x NVIDIA H200"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert hardware_description() == "1 x NVIDIA H200"
+
+    def broken(*device):
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", broken)
+    assert hardware_description() == f"CPU ({cores} cores)"
 
 
 @pytest.mark.parametrize(

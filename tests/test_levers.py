@@ -167,14 +167,37 @@ def test_ema_checkpoints_its_average_and_a_resumed_run_ends_on_the_same_weights(
     assert "| ema_decay | 0.5 (evaluated and saved: the average) |" in readme
 
 
-def test_ema_is_refused_where_weights_are_sharded_and_with_load_best_model_at_end(tmp_path):
+def test_ema_is_refused_where_weights_are_sharded_and_with_load_best_model_at_end(tmp_path, monkeypatch):
+    import dataclasses
+    import types
+
+    from conftest import ROOT
+
     from vit_recipes import strategies
     from vit_recipes.arguments import parse_args
+    from vit_recipes.checks import check_plan
+    from vit_recipes.plan import build_plan, read_strategy
 
     assert [s.name for s in strategies.STRATEGIES if not s.supports("ema")] == [
         "zero3", "zeropp", "zero3_offload", "fsdp2", "fsdp2_offload"
     ]  # fmt: skip
     base = ["--output_dir", str(tmp_path), "--dataset_name", "x", "--use_cpu", "true"]
+    # A run asking for it under each of them is refused in one line before any data loads: the DeepSpeed configs
+    # through the run's plan, FSDP2 (refused on the CPU first) through the plan's checks on a GPU plan
+    ema = ["--ema_decay", "0.9", "--report_to", "none"]
+    for config, label in (("zero3", "ZeRO-3"), ("zeropp", "ZeRO++"), ("zero3_offload", "ZeRO-3 + offload")):
+        path = str(ROOT / "ds_configs" / f"{config}.json")
+        refusal = f"{path}: --ema_decay averages whole weights and {label} shards them: drop it, or use ZeRO-2 or DDP"
+        with pytest.raises(RecipeError, match="^" + re.escape(refusal) + "$"):
+            build_plan(parse_args([*base, *ema, "--deepspeed", path]))
+    args = parse_args([*base, *ema])
+    plan = build_plan(args)  # one process: EMA trains
+    monkeypatch.setattr("vit_recipes.checks.visible_gpus", lambda: 2)
+    for offload, label in ((False, "FSDP2"), (True, "FSDP2 + offload")):
+        fsdp = types.SimpleNamespace(fsdp="full_shard auto_wrap", world_size=2, fsdp_config={"cpu_offload": offload})
+        on_gpus = dataclasses.replace(plan, strategy=read_strategy(fsdp), device="cuda")
+        with pytest.raises(RecipeError, match=f"^--ema_decay averages whole weights and {re.escape(label)} shards"):
+            check_plan(on_gpus, args)
     with pytest.raises(RecipeError, match="--ema_decay with --load_best_model_at_end: the best checkpoint is chosen"):
         parse_args([*base, "--ema_decay", "0.9", "--load_best_model_at_end", "true",
                     "--metric_for_best_model", "accuracy"])  # fmt: skip

@@ -419,21 +419,23 @@ def eval_args(data, model, out):
 
 @pytest.fixture
 def fake_hub(monkeypatch):
-    """Push for real through Trainer.push_to_hub, into a recorder instead of the Hub."""
+    """Push for real through Trainer.push_to_hub, into a recorder instead of the Hub: `repos`, the repositories
+    created (huggingface_hub's create_repo arguments), and `pushes`, what each upload held."""
     import huggingface_hub
     import transformers.trainer
 
-    pushes = []
+    hub = SimpleNamespace(repos=[], pushes=[])
 
     class FakeApi:
         def create_repo(self, repo_id, **kwargs):
+            hub.repos.append({"repo_id": repo_id, **kwargs})
             return SimpleNamespace(repo_id=repo_id)
 
         def upload_folder(self, repo_id, folder_path, **kwargs):
             folder = Path(folder_path)
             files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
             readme = (folder / "README.md").read_text() if (folder / "README.md").is_file() else ""
-            pushes.append({"files": files, "readme": readme, "message": kwargs.get("commit_message")})
+            hub.pushes.append({"files": files, "readme": readme, "message": kwargs.get("commit_message")})
             return SimpleNamespace(commit_url="https://huggingface.co/fake")
 
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
@@ -442,7 +444,7 @@ def fake_hub(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    return pushes
+    return hub
 
 
 @pytest.mark.slow
@@ -458,7 +460,9 @@ def test_adapter_is_saved_pushed_and_reloads_with_the_same_accuracy(
     assert "model.safetensors" not in saved
     assert results["train_trainable_params"] < results["train_total_params"]
     # The Hub gets the adapter, with a card that names the peft library (and the base, when it is a Hub id).
-    final = fake_hub[-1]
+    # one repository, its visibility left to the Hub (no --hub_private_repo), then the adapter pushed
+    assert [(r["repo_id"], r["private"]) for r in fake_hub.repos] == [("me/vit-lora", None)]
+    final = fake_hub.pushes[-1]
     assert "adapter_model.safetensors" in final["files"] and "model.safetensors" not in final["files"]
     metadata = yaml.safe_load(final["readme"].split("---")[1])
     assert metadata["library_name"] == "peft" and "lora" in metadata["tags"]
@@ -512,11 +516,12 @@ def test_merged_model_is_plain_pushed_alone_and_works_in_a_pipeline(
     out = tmp_path / "merged"
     results = run_script(
         *lora_args(digits_dir, tiny_vit, out, "--merge_adapter", "true", "--push_to_hub", "true"),
-        "--hub_model_id", "me/vit-merged", "--hub_strategy", "end",
+        "--hub_model_id", "me/vit-merged", "--hub_strategy", "end", "--hub_private_repo", "true",
     )  # fmt: skip
     saved = {p.name for p in out.iterdir()}
     assert "model.safetensors" in saved and not any(name.startswith("adapter_") for name in saved)
-    pushed = fake_hub[-1]
+    assert [(r["repo_id"], r["private"]) for r in fake_hub.repos] == [("me/vit-merged", True)]  # --hub_private_repo
+    pushed = fake_hub.pushes[-1]
     assert "model.safetensors" in pushed["files"] and not any("adapter" in f for f in pushed["files"])
     assert yaml.safe_load(pushed["readme"].split("---")[1])["library_name"] == "transformers"
 

@@ -37,6 +37,17 @@ def why_it_failed(result: subprocess.CompletedProcess) -> str:
     return "\n".join(errors[-30:]) + "\n...\n" + "\n".join(lines[-40:])
 
 
+def detail(trace: dict) -> dict:
+    """What each profiler option adds to a trace: memory events (--profile_memory), operator input shapes
+    (--profile_record_shapes), Python frames (--profile_with_stack)."""
+    events = trace["traceEvents"]
+    return {
+        "memory": sum(e.get("name") == "[memory]" for e in events),
+        "shapes": sum("Input Dims" in e.get("args", {}) for e in events),
+        "stack": sum(e.get("cat") == "python_function" for e in events),
+    }
+
+
 def assert_chrome_trace(trace: dict) -> None:
     """What Perfetto / chrome://tracing need: traceEvents whose complete events have name, ph, ts, dur, pid, tid."""
     events = trace["traceEvents"]
@@ -97,6 +108,7 @@ def test_two_process_cpu_run_writes_one_trace_per_rank_and_a_report(cifar_like, 
         assert set(names) >= REGIONS, REGIONS - set(names)
         assert sum(n.startswith("ProfilerStep#") for n in names) == 2  # steps 3 and 4 only
         assert any(n.startswith("gloo:all_reduce") for n in names), "DDP's gradient all-reduce is in the trace"
+        assert detail(trace) == {"memory": 0, "shapes": 0, "stack": 0}  # none of the profiler options by default
         assert (profiler / f"rank{rank}_ops.txt").read_text().count("aten::") > 5  # the profiler's own table
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     train_logs = [e for e in history if "loss" in e]
@@ -124,13 +136,23 @@ def test_two_process_cpu_run_writes_one_trace_per_rank_and_a_report(cifar_like, 
 
 
 @pytest.mark.slow
-def test_training_that_ends_inside_the_window_still_writes_its_trace(cifar_like, tiny_vit, tmp_path, run_script):
-    out = tmp_path / "run"
-    run_script(*profiled_run_args(cifar_like, tiny_vit, out, "--max_steps", "3", "--profile_steps", "2-10"))
-    trace = load_trace(out / "profiler" / "rank0.pt.trace.json.gz")
+def test_the_trace_goes_to_profile_dir_with_what_its_options_add_when_training_ends_inside_the_window(
+    cifar_like, tiny_vit, tmp_path, run_script
+):
+    """The trace goes to --profile_dir, with what --profile_memory, --profile_record_shapes and --profile_with_stack
+    add (the two-process run above, without them, has none of it); training ends inside the window: the steps
+    recorded are written."""
+    out, traces = tmp_path / "run", tmp_path / "traces"
+    options = ("--profile_memory", "true", "--profile_record_shapes", "true", "--profile_with_stack", "true")
+    run_script(*profiled_run_args(cifar_like, tiny_vit, out, "--max_steps", "3", "--profile_steps", "2-10",
+                                  "--profile_dir", traces, *options))  # fmt: skip
+    assert not (out / "profiler").exists() and (traces / "rank0_ops.txt").is_file()
+    trace = load_trace(traces / "rank0.pt.trace.json.gz")
     steps = [e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")]
     assert len(steps) == 2  # steps 2 and 3 were recorded before training ended
     assert "distributedInfo" not in trace  # a single process
+    found = detail(trace)  # seen: ~1,600 memory events, ~3,900 operators with shapes, ~13,000 Python frames
+    assert all(count > 100 for count in found.values()), found
 
 
 # --- Analysis of GPU traces and the comparison of two runs ------------------------------------------------------
