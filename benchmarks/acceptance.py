@@ -647,7 +647,7 @@ def check(suite: Suite) -> list[dict]:
     check_single(suite, add, ran)
     check_vith(suite, add, ran)
     for name in [f"{d}-{s}" for d in DATA for s in ("ddp", "zero2") if f"{d}-{s}" in suite.jobs]:
-        said = "(--streaming)" if name.startswith("stream") else "no decoded copy on disk"
+        said = "--streaming" if name.startswith("stream") else "no decoded copy on disk"
         if ran("data", name):
             line = next((x for x in log_text(suite, name).splitlines() if "Images decoded per batch" in x), "")
             add("data", f"{name}: {STEPS} steps, decoded per batch ({said})", name,
