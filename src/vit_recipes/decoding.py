@@ -120,7 +120,9 @@ def copy_size(rows: int, shape: tuple[int, int]) -> int:
 
 def _size(n: float) -> str:
     return next(
-        f"{n / 2**p:.{d}f} {u}" for p, d, u in ((30, 1, "GiB"), (20, 0, "MiB"), (10, 0, "KiB"), (0, 0, "B")) if n >= 2**p or u == "B"
+        f"{n / 2**p:.{d}f} {u}"
+        for p, d, u in ((30, 1, "GiB"), (20, 0, "MiB"), (10, 0, "KiB"), (0, 0, "B"))
+        if n >= 2**p or u == "B"
     )
 
 
