@@ -2,6 +2,7 @@
 batch in the DataLoader workers (src/vit_recipes/folder_index.py, decoding.py)."""
 
 import errno
+import io
 import json
 import sys
 from pathlib import Path
@@ -29,6 +30,12 @@ def photos(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("photos")
     write_folder(root, images=60, classes=3, validation=0.2, sides=(64, 96), workers=1)
     return root
+
+
+def png(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    PILImage.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def splits_of(folder: Path) -> ImageSplits:
@@ -221,3 +228,56 @@ def test_jpeg_draft_decoding_covers_the_storage_size(tmp_path):
     array, done = decode_to_chw(str(big), 256, 256)
     assert array.shape == (3, 256, 256) and done == "resized"
     assert storage_format(datasets.Dataset.from_dict({"image": [str(big)]}), "image", 224, None).shape == (256, 256)
+
+
+def test_animated_images_and_long_strips_are_noted_when_decoded_once(tmp_path):
+    """An animated GIF trains on its first frame and a 160x8 strip loses most of its area to the 8x8 crop: the log
+    and the card's notes say how many of each."""
+    frames = [PILImage.new("RGB", (8, 8), (255 * i, 0, 0)) for i in range(2)]
+    gif = io.BytesIO()
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:])
+    images = [png(np.full((8, 8, 3), 40 * i, np.uint8)) for i in range(5)] + [
+        gif.getvalue(),
+        png(np.zeros((8, 160, 3), np.uint8)),
+    ]
+    train = datasets.Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in images], "labels": [0, 1] * 3 + [0]},
+        features=datasets.Features(
+            {"image": datasets.Image(decode=False), "labels": datasets.ClassLabel(names=["a", "b"])}
+        ),
+    )
+    decoded = decode_splits(ImageSplits(train, None, None, "image", ["a", "b"], "ClassLabel"), image_size=8)
+    assert decoded.notes == [
+        "train: 1 image(s) not 8x8, the common size, resized to cover it and centre-cropped, 1 of them losing over "
+        "half their area (a long strip)",
+        "train: 1 animated or multi-frame image(s): the first frame is used",
+    ]
+
+
+def test_a_stream_is_counted_in_steps_and_its_epoch_strategies_become_steps():
+    from vit_recipes.streaming import plan_stream_steps
+
+    training = SimpleNamespace(max_steps=-1, num_train_epochs=2, eval_strategy="epoch", save_strategy="steps")
+    plan_stream_steps(training, rows=1000, global_batch=64)
+    assert (training.max_steps, training.eval_strategy, training.eval_steps) == (30, "steps", 15)
+    assert training.save_strategy == "steps" and not hasattr(training, "save_steps")
+    with pytest.raises(RecipeError, match=r"^--streaming: the dataset does not say how many training images"):
+        plan_stream_steps(SimpleNamespace(max_steps=-1, num_train_epochs=1), rows=None, global_batch=64)
+    unknown = SimpleNamespace(max_steps=10, num_train_epochs=1, eval_strategy="epoch", save_strategy="no")
+    with pytest.raises(RecipeError, match=r"--eval_strategy epoch: the stream's epoch length is unknown"):
+        plan_stream_steps(unknown, rows=None, global_batch=64)
+
+
+def test_the_high_bit_depth_note_counts_only_the_images_it_scales(caplog):
+    def image(array) -> dict:
+        buffer = io.BytesIO()
+        PILImage.fromarray(array).save(buffer, format="PNG")
+        return {"bytes": buffer.getvalue(), "path": None}
+
+    wide = [image(np.full((4, 4), v, np.uint16)) for v in (300, 4095)]
+    split = datasets.Dataset.from_dict({"image": [*wide, image(np.zeros((4, 4, 3), np.uint8))]})
+    assert storage_format(split, "image", 4, None).white == 4095
+    assert (
+        "High-bit-depth images (2 of 3 sampled, largest value 4095): those are scaled by 255/4095 to 8 bits; "
+        "8-bit images are stored as they are" in caplog.text
+    )
