@@ -43,6 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "src")]  # run as a f
 from trace_analysis import analyze  # noqa: E402  tools/trace_analysis.py: a user's tool for --profile_steps traces
 
 from benchmarks.common import save_png  # noqa: E402
+from benchmarks.report import _num as number_cell  # noqa: E402  one number format
 from benchmarks.report import load_records  # noqa: E402  one record loader
 from vit_recipes import strategies  # noqa: E402
 
@@ -301,11 +302,7 @@ def comparison(variants: list[Variant]) -> tuple[int | None, list[tuple[Variant,
 
 
 def _fmt(value, digits: int = 1, pct: bool = False, thousands: bool = False) -> str:
-    if value is None:
-        return "–"
-    if pct:
-        return f"{100 * value:.{digits}f}%"
-    return f"{value:,.{digits}f}" if thousands else f"{value:.{digits}f}"
+    return number_cell(value, digits, 100 if pct else 1, thousands) + ("%" if pct and value is not None else "")
 
 
 def _numeric(cell) -> bool:
@@ -475,7 +472,7 @@ def _bar_labels(ax, bars, texts: list[str]) -> None:
         )
 
 
-def chart_throughput(groups: dict[str, list[Variant]], path: Path) -> Path:
+def chart_throughput(groups: dict[str, list[Variant]]) -> Figure:
     fig, axes = _figure(len(groups))
     for ax, (model, variants) in zip(axes, groups.items()):
         ok = [v for v in variants if v.best]
@@ -484,12 +481,10 @@ def chart_throughput(groups: dict[str, list[Variant]], path: Path) -> Path:
         ax.set_xticks(range(len(ok)), [v.label for v in ok], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("images/s (best batch, all GPUs)")
         ax.set_title(f"{model}: throughput")
-    fig.tight_layout()
-    save_png(fig, path)
-    return path
+    return fig
 
 
-def chart_memory(groups: dict[str, list[Variant]], path: Path) -> Path:
+def chart_memory(groups: dict[str, list[Variant]]) -> Figure:
     fig, axes = _figure(len(groups))
     for ax, (model, variants) in zip(axes, groups.items()):
         batch, chosen = comparison(variants)
@@ -504,15 +499,13 @@ def chart_memory(groups: dict[str, list[Variant]], path: Path) -> Path:
         ax.set_ylabel("GiB per GPU")
         ax.set_title(f"{model}: memory per GPU " + (f"(batch {batch}/GPU)" if batch else "(each at its best batch)"))
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_png(fig, path)
-    return path
+    return fig
 
 
 BREAKDOWN_COLOURS = {"data wait": "#8172b3", "compute": "#4c72b0", "communication": "#dd8452", "idle/other": "#bbbbbb"}
 
 
-def chart_breakdown(groups: dict[str, list[Variant]], runs: list[Run], path: Path) -> Path:
+def chart_breakdown(groups: dict[str, list[Variant]], runs: list[Run]) -> Figure:
     fig, axes = _figure(len(groups))
     for ax, (model, variants) in zip(axes, groups.items()):
         batch, chosen = comparison(variants)
@@ -533,12 +526,10 @@ def chart_breakdown(groups: dict[str, list[Variant]], runs: list[Run], path: Pat
         ax.set_ylabel("ms per step")
         ax.set_title(f"{model}: step time " + (f"(batch {batch}/GPU)" if batch else "(best batch)"))
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_png(fig, path)
-    return path
+    return fig
 
 
-def chart_scaling(groups: dict[str, list[Variant]], runs: list[Run], path: Path) -> Path:
+def chart_scaling(groups: dict[str, list[Variant]], runs: list[Run]) -> Figure:
     by_model: dict[str, dict[tuple, Variant]] = defaultdict(dict)  # all GPU counts of a model on one panel
     for variants in groups.values():
         for v in variants:
@@ -567,12 +558,10 @@ def chart_scaling(groups: dict[str, list[Variant]], runs: list[Run], path: Path)
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no baseline: no 1-GPU run at the same batch", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    save_png(fig, path)
-    return path
+    return fig
 
 
-def chart_mfu(groups: dict[str, list[Variant]], path: Path) -> Path:
+def chart_mfu(groups: dict[str, list[Variant]]) -> Figure:
     fig, axes = _figure(len(groups))
     for ax, (model, variants) in zip(axes, groups.items()):
         ok = [v for v in variants if v.best]
@@ -582,9 +571,7 @@ def chart_mfu(groups: dict[str, list[Variant]], path: Path) -> Path:
         ax.set_xticks(range(len(ok)), [v.label for v in ok], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("MFU (%)")
         ax.set_title(f"{model}: model FLOPs utilisation (best batch)")
-    fig.tight_layout()
-    save_png(fig, path)
-    return path
+    return fig
 
 
 CHARTS = ("throughput", "memory", "step_breakdown", "scaling", "mfu")
@@ -593,15 +580,17 @@ CHARTS = ("throughput", "memory", "step_breakdown", "scaling", "mfu")
 def write_charts(groups, runs, folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     jobs = {
-        "throughput": lambda p: chart_throughput(groups, p),
-        "memory": lambda p: chart_memory(groups, p),
-        "step_breakdown": lambda p: chart_breakdown(groups, runs, p),
-        "scaling": lambda p: chart_scaling(groups, runs, p),
-        "mfu": lambda p: chart_mfu(groups, p),
+        "throughput": lambda: chart_throughput(groups),
+        "memory": lambda: chart_memory(groups),
+        "step_breakdown": lambda: chart_breakdown(groups, runs),
+        "scaling": lambda: chart_scaling(groups, runs),
+        "mfu": lambda: chart_mfu(groups),
     }
     out = {}
     for name, job in tqdm(jobs.items(), desc="strategy report charts", leave=False):
-        out[name] = str(job(folder / f"{name}.png"))
+        fig = job()
+        fig.tight_layout()
+        out[name] = str(save_png(fig, folder / f"{name}.png"))
     return out
 
 

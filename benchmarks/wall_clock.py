@@ -9,6 +9,11 @@ and datasets caches: a new machine) and warm (the same command again, into a new
   end and after training, the 10,000 test images once, the model saved). The peer trains on the same 90% split
   (`--train_val_split 0.1`) at the same batch and evaluates the validation split as its script does.
 - steps200: 200 steps at batch 256, then 2,000 evaluation images (ours: validation and test, 2,000 each).
+- photos200: a folder of JPEG photos shaped like ImageNet (tools/jpeg_folder.py: 400-520 x 300-420 px, 100 classes,
+  train/ and validation/; --photos images, written into --work when missing), 200 steps x 128 and the validation
+  split evaluated. Ours: `--config recipes/vit-base/food101/config_full.yaml --dataset_name FOLDER --max_steps 200`
+  (auto: per-batch decoding for photos); `ours-once` adds `--decode_images once` (the decoded copy: the steady img/s
+  the per-batch path must reach, and its disk). The peer reads the folder by --train_dir/--validation_dir.
 
 `ours-compiled` runs (`--torch_compile_regions true`, cold then warm) measure what regional compilation costs once
 and saves per step: the data behind the default's "compile only where it pays" rule. `ours-after-compiled` is the
@@ -17,10 +22,13 @@ the compile cache holds the artifacts (it compiles from 400 planned steps there;
 
 Each job's wall clock is measured here (process start to exit); its phases come from all_results.json (ours: the
 timeline every run records; the peer: start-up to the first step, train, evaluate, save), and the steady img/s and
-process start to the first step's end from the speed meter both share.
+process start to the first step's end from the speed meter both share. The bytes each run's datasets cache holds
+after it are the disk it wrote there (a warm run's cache is its cold run's).
 
     python -m benchmarks.wall_clock --bytecode      # makes its assets; record: results/<date>_wall_clock_1x<card>
     python -m benchmarks.wall_clock --redraw --out RECORD   # the markdown and chart again from wall_clock.json
+    python -m benchmarks.wall_clock --only photos200-peer-w16-cold,photos200-ours-cold,photos200-ours-once-cold \
+        --photos 60000 --budget 600 --timeout 600   # the photos job alone (the folder: minutes to write, once)
 
 Writes OUT/wall_clock.json, OUT/wall_clock.md, OUT/wall_clock.png and the record's README.md (its conclusion to
 write); runs and logs stay in --work.
@@ -46,6 +54,7 @@ from benchmarks.common import ROOT, device_description, git_commit, gpu_info, li
 QUESTION = __doc__.split("\n\n")[0].removeprefix("Probe. Question: ").replace("\n", " ")
 
 RECIPE = "recipes/vit-base/cifar100/config_full.yaml"
+PHOTOS_RECIPE = "recipes/vit-base/food101/config_full.yaml"  # the recipe for a folder of photos
 JOBS = {  # job -> (our arguments after the recipe, the peer's arguments for the same work)
     "epoch": (
         ["--num_train_epochs", "1"],
@@ -59,6 +68,11 @@ JOBS = {  # job -> (our arguments after the recipe, the peer's arguments for the
          "--eval_strategy", "no", "--save_strategy", "no", "--do_eval", "true", "--max_eval_samples", "2000",
          "--train_val_split", "0.1"],
     ),
+    "photos200": (
+        ["--max_steps", "200"],
+        ["--max_steps", "200", "--per_device_train_batch_size", "128", "--per_device_eval_batch_size", "256",
+         "--eval_strategy", "no", "--save_strategy", "no", "--do_eval", "true"],
+    ),
 }  # fmt: skip
 PEER_COMMON = ["--do_train", "true", "--bf16", "true", "--learning_rate", "1e-4", "--lr_scheduler_type", "cosine",
                "--logging_steps", "50", "--seed", "42", "--disable_tqdm", "true"]  # fmt: skip
@@ -70,13 +84,14 @@ PLAN = [
     ("steps200", "ours", None, "after-compiled"), ("epoch", "ours-compiled", None, "cold"),
     ("epoch", "ours", None, "after-compiled"),
     ("steps200", "peer", 8, "cold"), ("epoch", "peer", 8, "cold"),
+    ("photos200", "peer", 16, "cold"), ("photos200", "ours", None, "cold"), ("photos200", "ours-once", None, "cold"),
 ]  # fmt: skip
 
 
 @dataclass
 class Run:
     job: str
-    who: str  # peer, ours, ours-compiled
+    who: str  # peer, ours, ours-compiled, ours-once
     workers: int | None  # the peer's DataLoader workers (ours: the recipe's default)
     cache: str  # cold: fresh compile and datasets caches; warm: those of the cold run before it; after-compiled:
     # those of the job's ours-compiled runs (the command as typed, after a compiled run of the same model and batch)
@@ -84,24 +99,46 @@ class Run:
     exit: int | str | None = None
     wall_s: float | None = None
     metrics: dict = field(default_factory=dict)
+    cache_bytes: int | None = None  # what the run's datasets cache holds after it
 
     @property
     def name(self) -> str:
         return f"{self.job}-{self.who}" + (f"-w{self.workers}" if self.workers else "") + f"-{self.cache}"
 
 
-def argv_of(run: Run, assets: Path, out: Path) -> list[str]:
+def argv_of(run: Run, assets: Path, out: Path, photos: Path | None = None) -> list[str]:
     ours, peer = JOBS[run.job]
-    data = ["--model_name_or_path", str(assets / "vit-base"), "--dataset_name", str(assets / "cifar100")]
+    dataset = str(photos) if run.job == "photos200" else str(assets / "cifar100")
+    data = ["--model_name_or_path", str(assets / "vit-base"), "--dataset_name", dataset]
     if run.who == "peer":  # the job's arguments (and --extra) last: they win
-        peer_args = common.peer_args(str(assets / "vit-base"), str(assets / "cifar100"), str(out), run.workers)
+        peer_args = common.peer_args(str(assets / "vit-base"), dataset, str(out), run.workers)
+        if run.job == "photos200":  # the example reads a folder of photos as two folders, not --dataset_name
+            at = peer_args.index("--dataset_name")
+            peer_args[at : at + 2] = ["--train_dir", f"{dataset}/train", "--validation_dir", f"{dataset}/validation"]
         return [sys.executable, *peer_args, *PEER_COMMON, *peer]
-    extra = ["--torch_compile_regions", "true"] if run.who == "ours-compiled" else []
-    return [sys.executable, "run_image_classification.py", "--config", RECIPE, *data, "--output_dir", str(out),
-            "--report_to", "none", *ours, *extra]  # fmt: skip
+    extra = {"ours-compiled": ["--torch_compile_regions", "true"], "ours-once": ["--decode_images", "once"]}
+    recipe = PHOTOS_RECIPE if run.job == "photos200" else RECIPE
+    return [sys.executable, "run_image_classification.py", "--config", recipe, *data, "--output_dir", str(out),
+            "--report_to", "none", *ours, *extra.get(run.who, [])]  # fmt: skip
 
 
-def execute(run: Run, assets: Path, work: Path, timeout: float) -> None:
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def photos_folder(work: Path, images: int) -> Path:
+    """WORK/jpegs_<images>: tools/jpeg_folder.py's folder of JPEG photos, 100 classes, written when missing."""
+    from tools.jpeg_folder import write_folder
+
+    folder = work / f"jpegs_{images}"
+    if not (folder / "train").is_dir():
+        start = time.time()
+        written = write_folder(folder, images, 100)
+        print(f"[wall_clock] wrote {images} JPEGs, {written / 2**30:.2f} GiB, in {time.time() - start:.0f} s")
+    return folder
+
+
+def execute(run: Run, assets: Path, work: Path, timeout: float, photos: Path | None = None) -> None:
     # A cold run and its warm rerun share caches: one folder per job and script
     who = "ours-compiled" if run.cache == "after-compiled" else run.who
     caches = work / "caches" / f"{run.job}-{who}-{run.workers or 0}"
@@ -110,7 +147,7 @@ def execute(run: Run, assets: Path, work: Path, timeout: float) -> None:
     out = work / "runs" / run.name
     shutil.rmtree(out, ignore_errors=True)
     env = common.run_env(HF_DATASETS_CACHE=str(caches / "datasets"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
-    argv = argv_of(run, assets, out)
+    argv = argv_of(run, assets, out, photos)
     run.command = shlex.join(argv).replace(sys.executable, "python").replace(str(assets), "$ASSETS")
     (work / "logs").mkdir(parents=True, exist_ok=True)
     with open(work / "logs" / f"{run.name}.log", "w") as log:
@@ -122,12 +159,14 @@ def execute(run: Run, assets: Path, work: Path, timeout: float) -> None:
         except subprocess.TimeoutExpired:
             run.exit = "timeout"
         run.wall_s = round(time.time() - start, 2)
+    run.cache_bytes = folder_bytes(caches / "datasets")
     results = out / "all_results.json"
     if results.is_file():
         keep = ("time_", "train_images_per_second", "train_first_step_after_start_s", "train_warmup_s",
-                "train_step_time_s", "eval_accuracy", "train_peak_allocated_gib")  # fmt: skip
+                "train_step_time_s", "eval_accuracy", "train_peak_allocated_gib", "train_data_wait_share",
+                "data_decode_seconds")  # fmt: skip
         run.metrics = {k: v for k, v in json.loads(results.read_text()).items() if k.startswith(keep)}
-    print(f"[wall_clock] {run.name}: exit {run.exit}, {run.wall_s} s", flush=True)
+    print(f"[wall_clock] {run.name}: exit {run.exit}, {run.wall_s} s, cache {run.cache_bytes >> 20} MiB", flush=True)
 
 
 def byte_compile(work: Path) -> str:
@@ -167,18 +206,20 @@ def write_markdown(record: dict, out: Path) -> None:
              + ", ".join(f"{k} {v}" for k, v in record["versions"].items() if v), "",
              "Wall clock: process start to exit, measured outside the process. x peer: over the 16-worker peer's wall "
              "clock for the same job. Phases (seconds) from each run's all_results.json; first step: process start to "
-             "the first optimizer step's end; warm-up: the first 5 steps (compilation lands there)."
+             "the first optimizer step's end; warm-up: the first 5 steps (compilation lands there); datasets cache: what "
+             "the run's datasets cache holds after it (a warm run shares its cold run's)."
              + (f" Byte-compiled first: {record['bytecode']}." if record.get("bytecode") else ""), "",
              "![Where each job's wall clock goes](wall_clock.png)", "",
              "| job | run | exit | wall s | x peer (16 workers) | first step s | warm-up s | steady img/s | "
-             + " | ".join(PHASES) + " | imports (in startup) | eval accuracy |",
-             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|"]  # fmt: skip
+             + " | ".join(PHASES) + " | imports (in startup) | eval accuracy | datasets cache |",
+             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|"]  # fmt: skip
     for run in runs:
         m = run["metrics"]
         cells = [run["job"], f"`{run['name']}`", str(run["exit"]), f"{run['wall_s']:.1f}" if run["wall_s"] else "",
                  ratio(run, runs), str(m.get("train_first_step_after_start_s", "")), str(m.get("train_warmup_s", "")),
                  f"{m['train_images_per_second']:,.0f}" if "train_images_per_second" in m else "",
-                 *[str(m.get(f"time_{p}_s", "")) for p in PHASES], str(m.get("time_imports_s", "")), str(round(m["eval_accuracy"], 4)) if "eval_accuracy" in m else ""]  # fmt: skip
+                 *[str(m.get(f"time_{p}_s", "")) for p in PHASES], str(m.get("time_imports_s", "")), str(round(m["eval_accuracy"], 4)) if "eval_accuracy" in m else "",
+                 f"{run['cache_bytes'] / 2**20:,.1f} MiB" if run.get("cache_bytes") is not None else ""]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "<details><summary>Commands</summary>", ""]
     lines += [f"- `{run['name']}`: `{run['command']}`" for run in runs] + ["", "</details>", ""]
@@ -228,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=200, help="seconds a run may take")
     parser.add_argument("--redraw", action="store_true", help="markdown and chart again from OUT/wall_clock.json")
     parser.add_argument("--extra", default="", help="arguments added to every run (tests: --use_cpu true ...)")
+    parser.add_argument("--photos", type=int, default=60000, help="images in the photos job's folder")
     parser.add_argument("--bytecode", action="store_true", help="byte-compile the Python libraries first, as pip does "
                         "at install: an image without .pyc files (PYTHONDONTWRITEBYTECODE set) recompiles torch's "
                         "modules in every process, for the peer and ours alike")  # fmt: skip
@@ -247,18 +289,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.extra:
             for job, (ours, peer) in list(JOBS.items()):
                 JOBS[job] = (ours + shlex.split(args.extra), peer + shlex.split(args.extra))
+        photos = photos_folder(work, args.photos) if any(r.job == "photos200" for r in runs) else None
         bytecode = byte_compile(work) if args.bytecode else None
         start = time.time()
         for run in runs:
             if time.time() - start > args.budget:
                 run.exit = f"not run: the {args.budget:.0f} s budget ran out"
                 continue
-            execute(run, assets, work, args.timeout)
+            execute(run, assets, work, args.timeout, photos)
         gpus = gpu_info()
         record = {"device": device_description(gpus) if gpus else "CPU", "commit": git_commit(),
                   "date": time.strftime("%Y-%m-%d"), "versions": library_versions(),
                   "command": "python -m benchmarks.wall_clock " + shlex.join(argv if argv is not None else sys.argv[1:]),
-                  "bytecode": bytecode, "runs": [{**asdict(r), "name": r.name} for r in runs]}  # fmt: skip
+                  "bytecode": bytecode, "photos": {"images": args.photos, "bytes": folder_bytes(photos)} if photos else None,
+                  "runs": [{**asdict(r), "name": r.name} for r in runs]}  # fmt: skip
         common.write_json(out / "wall_clock.json", record)
     write_markdown(record, out)
     draw(record, out)

@@ -663,6 +663,43 @@ def test_wall_clock_times_whole_jobs_of_ours_and_the_peer(cifar_like, tiny_vit, 
     assert (out / "wall_clock.md").read_text() == table
 
 
+def test_wall_clock_runs_the_photos_job_on_a_folder_it_writes(cifar_like, tiny_vit, tmp_path):
+    """wall_clock's photos200 job: the JPEG folder written when missing, the peer on --train_dir/--validation_dir,
+    ours on the food101 recipe (ours-once: the decoded copy), and each run's datasets-cache bytes in JSON and table."""
+    from benchmarks import wall_clock
+
+    assets, out, work = tmp_path / "assets", tmp_path / "record", tmp_path / "work"
+    assets.mkdir()
+    (assets / "vit-base").symlink_to(tiny_vit)
+    (assets / "cifar100").symlink_to(cifar_like)  # make_assets.py finds both: nothing to make
+    folder = work / "jpegs_200"
+    plan = {wall_clock.Run(*entry).name: wall_clock.Run(*entry) for entry in wall_clock.PLAN}
+    ours = wall_clock.argv_of(plan["photos200-ours-cold"], assets, tmp_path / "o", folder)
+    assert ours[1:] == ["run_image_classification.py", "--config", "recipes/vit-base/food101/config_full.yaml",
+                        "--model_name_or_path", str(assets / "vit-base"), "--dataset_name", str(folder),
+                        "--output_dir", str(tmp_path / "o"), "--report_to", "none", "--max_steps", "200"]  # fmt: skip
+    once = wall_clock.argv_of(plan["photos200-ours-once-cold"], assets, tmp_path / "o", folder)
+    assert once == [*ours, "--decode_images", "once"]
+    runs = "photos200-peer-w16-cold,photos200-ours-once-cold"  # tiny steps: --extra's arguments come last and win
+    extra = "--use_cpu true --bf16 false --dataloader_num_workers 0 --max_steps 2 --per_device_train_batch_size 4"
+    argv = [sys.executable, "-m", "benchmarks.wall_clock", "--assets", str(assets), "--out", str(out), "--work",
+            str(work), "--only", runs, "--photos", "200", "--extra", extra + " --per_device_eval_batch_size 8"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(list((folder / "train").rglob("*.jpg"))) + len(list((folder / "validation").rglob("*.jpg"))) == 200
+    record = json.loads((out / "wall_clock.json").read_text())
+    by_name = {run["name"]: run for run in record["runs"]}
+    assert list(by_name) == runs.split(",") and record["photos"]["images"] == 200
+    peer, copy = by_name["photos200-peer-w16-cold"], by_name["photos200-ours-once-cold"]
+    assert f"--train_dir {folder}/train --validation_dir {folder}/validation" in peer["command"]
+    assert "--dataset_name" not in peer["command"] and "--per_device_eval_batch_size 256" in peer["command"]
+    assert "--decode_images once" in copy["command"] and "food101/config_full.yaml" in copy["command"]
+    assert all(run["exit"] == 0 for run in by_name.values()), by_name
+    assert copy["cache_bytes"] > 0 and copy["metrics"]["data_decode_seconds"] > 0  # the decoded copy on disk
+    table = (out / "wall_clock.md").read_text()
+    assert "| datasets cache |" in table and f"{copy['cache_bytes'] / 2**20:,.1f} MiB |" in table
+
+
 # --------------------------------------------------------------------------------------------------- the lab's shape
 
 
