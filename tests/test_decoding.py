@@ -161,7 +161,7 @@ def test_the_decoded_copy_is_checked_for_room_before_any_work(photos, monkeypatc
     calls = []
     monkeypatch.setattr(datasets.Dataset, "map", lambda *a, **k: calls.append(a))
     monkeypatch.setattr(decoding.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
-    with pytest.raises(RecipeError, match=r"^the decoded copy needs 1 MiB in the datasets cache .* 0 MiB free: pass "
+    with pytest.raises(RecipeError, match=r"^the decoded copy needs 787 KiB in the datasets cache .* 1000 B free: pass "
                        r"--decode_images per_batch \(no copy\), --streaming"):  # fmt: skip
         decode_splits(splits, 64)
     assert calls == []
@@ -187,7 +187,7 @@ def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_partial_file(photo
         decode_splits(splits, 64)
     message = str(caught.value)
     assert message.startswith(f"the datasets cache {folder} filled up while decoding (")
-    assert "the decoded copy needs 1 MiB); its partial files are removed" in message
+    assert "the decoded copy needs 787 KiB); its partial files are removed" in message
     assert "\n" not in message
     assert [p.name for p in folder.iterdir()] == []
 
