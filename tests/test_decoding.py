@@ -281,3 +281,13 @@ def test_the_high_bit_depth_note_counts_only_the_images_it_scales(caplog):
         "High-bit-depth images (2 of 3 sampled, largest value 4095): those are scaled by 255/4095 to 8 bits; "
         "8-bit images are stored as they are" in caplog.text
     )
+
+
+def test_a_decoded_copy_already_on_disk_is_used_whatever_the_free_space(photos, monkeypatch, tmp_path):
+    """The second run of the same data writes nothing: the room check must not refuse it on a disk that filled since."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    splits = splits_of(photos)
+    first = decode_splits(splits, 64)
+    monkeypatch.setattr(decoding.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    again = decode_splits(splits, 64)
+    assert again.train["pixels"][:3] == first.train["pixels"][:3]

@@ -23,6 +23,7 @@ import datasets
 import numpy as np
 import torch
 from datasets import Dataset, Value
+from datasets.fingerprint import Hasher
 
 from .data import LABELS, PIXELS, ImageSplits
 from .errors import RecipeError
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 DECODE_CHOICES = ("auto", "once", "per_batch")
 SKIPPED_DURING_RUN = "skipped_images.jsonl"  # per-batch path: unreadable images found by the workers, one per line
 CACHE_HEADROOM = 1.05  # Arrow's offsets and metadata on top of the pixels
+DECODE_VERSION = 2  # part of a decoded copy's name: raise it when decode_to_chw changes what it stores
 
 
 @dataclass(frozen=True)
@@ -176,12 +178,16 @@ def decode_datasets(
     together = next(iter(parts.values())) if len(parts) == 1 else datasets.concatenate_datasets(list(parts.values()))
     kept = {k: v for k, v in together.features.items() if k != image_column}
     folder, needed = _cache_folder(together), copy_size(len(together), storage.shape)
-    named = {}  # an in-memory table (an indexed folder) names its copy by its fingerprint, so the next run finds it
+    # The copy's name, fixed here rather than derived by `map`: a run can tell it is on disk already (then nothing is
+    # written, whatever the free space). An in-memory table (an indexed folder) names its file by it too.
+    copy = Hasher.hash((together._fingerprint, height, width, storage.white, DECODE_VERSION))
+    named = {"new_fingerprint": copy}
     if not together.cache_files:
         folder.mkdir(parents=True, exist_ok=True)
-        named["cache_file_name"] = str(folder / f"decoded-{together._fingerprint}-{height}x{width}.arrow")
+        named["cache_file_name"] = str(folder / f"decoded-{copy}.arrow")
     before, since = {p.name for p in folder.glob("*")} if folder.is_dir() else set(), time.time()
-    check_cache_room(folder, needed)
+    if not any(copy in name for name in before):  # map's files hold the fingerprint in their names (shards too)
+        check_cache_room(folder, needed)
     try:
         together = together.map(
             _decode_batch, batched=True, batch_size=256, remove_columns=[image_column],
@@ -265,9 +271,10 @@ def prepare_images(splits: ImageSplits, image_size: int, data_args) -> ImageSpli
             "decodes in the DataLoader workers instead", height, width, why, _size(copy_size(rows, storage.shape)),
         )  # fmt: skip
         return decode_splits(splits, image_size, num_proc=data_args.preprocessing_num_workers, storage=storage)
+    instead = "" if is_stream(splits.train) else "; --decode_images once caches a copy instead"
     logger.warning(
-        "Images decoded per batch by the DataLoader workers to %dx%d uint8 (%s): no decoded copy on disk; "
-        "--decode_images once caches a copy instead", height, width, why,
+        "Images decoded per batch by the DataLoader workers to %dx%d uint8 (%s): no decoded copy on disk%s", height,
+        width, why, instead,
     )  # fmt: skip
     return replace(splits, storage_shape=storage.shape, white=storage.white, decode="per_batch")
 
