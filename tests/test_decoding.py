@@ -99,7 +99,7 @@ def test_data_files_in_a_folder_are_handed_to_their_builder_by_split(tmp_path):
 # ------------------------------------------------------------------------------------------ choosing the path
 
 
-def test_auto_decodes_small_images_once_and_photos_per_batch(photos, cifar_like, caplog):
+def test_auto_decodes_small_images_once_and_photos_per_batch(photos, cifar_like, capsys):
     """Photos (JPEG, decoded ~4x their file size) decode per batch and write nothing; CIFAR-shaped PNGs (about
     their own size decoded) are decoded once into the cache; the log says which path and why."""
     splits = splits_of(photos)
@@ -109,17 +109,17 @@ def test_auto_decodes_small_images_once_and_photos_per_batch(photos, cifar_like,
     assert prepared.decode == "per_batch" and prepared.storage_shape == (73, 73)
     assert prepared.train is splits.train  # nothing decoded, nothing written
     assert (set(cache.rglob("*")) if cache.exists() else set()) == before
-    assert "Images decoded per batch by the DataLoader workers to 73x73 uint8" in caplog.text
-    assert "decoded 1" not in caplog.text  # the growth is stated, and well over 2x for these photos
+    said = capsys.readouterr().out
+    assert "Images decoded per batch by the DataLoader workers to 73x73 uint8" in said
+    assert "decoded 1" not in said  # the growth is stated, and well over 2x for these photos
     small = load_any(str(cifar_like))
     train = small["train"].rename_column("fine_label", "labels").cast_column("img", datasets.Image(decode=False))
     stored = prepare_images(ImageSplits(train, None, None, "img", ["a"], "ClassLabel"), 224, decode_args())
     assert stored.decode == "once" and stored.image_column == "pixels" and stored.storage_shape == (32, 32)
-    assert (
-        "Images decoded once to 32x32 uint8" in caplog.text and "The decoded copy of the train images" in caplog.text
-    )
+    said = capsys.readouterr().out
+    assert "Images decoded once to 32x32 uint8" in said and "The decoded copy of the train images" in said
     forced = prepare_images(splits, 64, decode_args(decode_images="once"))
-    assert forced.decode == "once" and "(--decode_images once)" in caplog.text
+    assert forced.decode == "once" and "(--decode_images once)" in capsys.readouterr().out
 
 
 def test_per_batch_decoding_delivers_the_pixels_of_the_decoded_copy(photos):
@@ -156,7 +156,8 @@ def test_an_unreadable_image_in_a_batch_is_replaced_logged_and_recorded(photos, 
 # ------------------------------------------------------------------------------------------------- disk room
 
 
-def test_the_decoded_copy_is_checked_for_room_before_any_work(photos, monkeypatch):
+def test_the_decoded_copy_is_checked_for_room_before_any_work(photos, monkeypatch, tmp_path):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))  # no copy there yet
     splits = splits_of(photos)
     calls = []
     monkeypatch.setattr(datasets.Dataset, "map", lambda *a, **k: calls.append(a))

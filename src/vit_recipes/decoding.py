@@ -28,6 +28,7 @@ from datasets.fingerprint import Hasher
 from .data import LABELS, PIXELS, ImageSplits
 from .errors import RecipeError
 from .images import decode_to_chw, probe, white_level
+from .launch import env_int
 from .streaming import is_stream
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,13 @@ def choose_decoding(requested: str, storage: StorageFormat) -> tuple[str, str]:
         return "once", f"images {seen}, their stored size unknown"
     what = f"images {seen}, ~{storage.source_bytes / 1024:.0f} KB stored, decoded {growth:.1f}x that"
     return ("once", what) if growth <= MAX_GROWTH else ("per_batch", what)
+
+
+def say(line: str) -> None:
+    """What a run does with the images, once (the first process): printed, as the run's other facts are; warnings
+    are for what changes the user's data."""
+    if env_int("RANK", default=0) == 0:
+        print(line, flush=True)
 
 
 def _cache_folder(dataset: Dataset) -> Path:
@@ -206,7 +214,7 @@ def decode_datasets(
             f"{_size(needed)}); its partial files are removed: free space, point HF_DATASETS_CACHE (or --cache_dir) "
             "at a larger disk, or pass --decode_images per_batch (no copy)"
         ) from None
-    logger.warning("The decoded copy of the %s images: %s in %s", " and ".join(parts), _size(needed), folder)
+    say(f"The decoded copy of the {' and '.join(parts)} images: {_size(needed)} in {folder}")
     all_problems, out, skipped, start = together.data.column("problem").to_pylist(), {}, {}, 0
     for name, dataset in parts.items():
         decoded = together.select(range(start, start + len(dataset)))
@@ -266,16 +274,15 @@ def prepare_images(splits: ImageSplits, image_size: int, data_args) -> ImageSpli
     height, width = storage.shape
     if decode == "once":
         rows = sum(len(d) for d in splits.present().values())
-        logger.warning(
-            "Images decoded once to %dx%d uint8 (%s): a copy of about %s on disk; --decode_images per_batch "
-            "decodes in the DataLoader workers instead", height, width, why, _size(copy_size(rows, storage.shape)),
-        )  # fmt: skip
+        say(
+            f"Images decoded once to {height}x{width} uint8 ({why}): a copy of about "
+            f"{_size(copy_size(rows, storage.shape))} on disk; --decode_images per_batch decodes in the DataLoader "
+            "workers instead"
+        )
         return decode_splits(splits, image_size, num_proc=data_args.preprocessing_num_workers, storage=storage)
     instead = "" if is_stream(splits.train) else "; --decode_images once caches a copy instead"
-    logger.warning(
-        "Images decoded per batch by the DataLoader workers to %dx%d uint8 (%s): no decoded copy on disk%s", height,
-        width, why, instead,
-    )  # fmt: skip
+    say(f"Images decoded per batch by the DataLoader workers to {height}x{width} uint8 ({why}): no decoded copy on disk"
+        f"{instead}")  # fmt: skip
     return replace(splits, storage_shape=storage.shape, white=storage.white, decode="per_batch")
 
 
@@ -356,10 +363,10 @@ def share_cores_with_workers(training, splits: ImageSplits) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     share = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if share > training.dataloader_num_workers:
-        logger.warning(
-            "DataLoader workers: %d per process, this process's share of %d cores, as they decode every batch "
-            "(--dataloader_num_workers to change)", share, cores,
-        )  # fmt: skip
+        say(
+            f"DataLoader workers: {share} per process, this process's share of {cores} cores, as they decode every "
+            "batch (--dataloader_num_workers to change)"
+        )
         training.dataloader_num_workers, training.dataloader_persistent_workers = share, True
         training.dataloader_prefetch_factor = training.dataloader_prefetch_factor or 4
 
