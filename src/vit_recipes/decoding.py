@@ -361,7 +361,7 @@ def share_cores_with_workers(training, splits: ImageSplits) -> None:
     if splits.decode != "per_batch" or getattr(training, "workers_given", True):
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    share = max(1, cores // max(1, env_int("LOCAL_WORLD_SIZE", "LOCAL_SIZE")))  # torchrun's; DeepSpeed's launcher
     if share > training.dataloader_num_workers:
         say(
             f"DataLoader workers: {share} per process, this process's share of {cores} cores, as they decode every "
