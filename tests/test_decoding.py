@@ -292,3 +292,23 @@ def test_a_decoded_copy_already_on_disk_is_used_whatever_the_free_space(photos, 
     monkeypatch.setattr(decoding.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
     again = decode_splits(splits, 64)
     assert again.train["pixels"][:3] == first.train["pixels"][:3]
+
+
+def test_per_batch_workers_take_this_processs_share_of_the_cores_unless_given(monkeypatch, capsys):
+    from vit_recipes.decoding import share_cores_with_workers
+
+    monkeypatch.setattr(decoding.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    per_batch = SimpleNamespace(decode="per_batch")
+    for env, expected in (({"LOCAL_WORLD_SIZE": "4"}, 8), ({"LOCAL_SIZE": "2"}, 16), ({}, 32)):  # torchrun, deepspeed
+        for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        training = SimpleNamespace(workers_given=False, dataloader_num_workers=8, dataloader_prefetch_factor=None,
+                                   dataloader_persistent_workers=False)  # fmt: skip
+        share_cores_with_workers(training, per_batch)
+        assert (training.dataloader_num_workers, training.dataloader_persistent_workers) == (expected, True)
+    assert "DataLoader workers: 32 per process, this process's share of 32 cores" in capsys.readouterr().out
+    given = SimpleNamespace(workers_given=True, dataloader_num_workers=3)
+    share_cores_with_workers(given, per_batch)
+    assert given.dataloader_num_workers == 3
