@@ -304,7 +304,7 @@ def test_per_batch_workers_take_this_processs_share_of_the_cores_unless_given(mo
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        training = SimpleNamespace(workers_given=False, dataloader_num_workers=8, dataloader_prefetch_factor=None,
+        training = SimpleNamespace(workers_given=False, dataloader_num_workers=4, dataloader_prefetch_factor=None,
                                    dataloader_persistent_workers=False)  # fmt: skip
         share_cores_with_workers(training, per_batch)
         assert (training.dataloader_num_workers, training.dataloader_persistent_workers) == (expected, True)
