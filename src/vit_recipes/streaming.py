@@ -130,7 +130,7 @@ class StreamedBatches:
     def get_train_dataloader(self):
         if not is_stream(self.train_dataset):
             return super().get_train_dataloader()
-        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader import StatefulDataLoader  # imported by streamed runs only
 
         t = self.args
         workers = min(t.dataloader_num_workers, self.train_dataset.num_shards)
