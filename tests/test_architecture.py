@@ -155,3 +155,35 @@ def test_a_swapped_field_is_restored_however_the_block_ends():
     with pytest.raises(AttributeError), swapped(args, "renamed_upstream", 1):  # not a new field nothing reads
         pass
     assert not hasattr(args, "renamed_upstream")
+
+
+def test_every_library_the_package_imports_is_a_declared_dependency():
+    """A library a run imports (at the top of a module or inside a function, as --streaming's torchdata) is in
+    setup.cfg's install_requires or one of its extras: a fresh `pip install` has it, not only a machine set up by
+    hand."""
+    import configparser
+    import re
+    import sys
+    from importlib.metadata import packages_distributions
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    declared = "\n".join([config["options"]["install_requires"], *config["options.extras_require"].values()])
+    # Imported only where present, each saying so: its exception types (hub.is_network_error); and the
+    # --fp8_backend transformer_engine build, installed by hand (checks.py names the command).
+    optional = {"requests", "transformer_engine"}
+    names = {re.split(r"[<>=!~ ;\[]", line.strip())[0].lower().replace("_", "-") for line in declared.splitlines()}
+    found = set()
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    distributions = packages_distributions()
+    undeclared = []
+    for module in sorted(found - set(sys.stdlib_module_names) - {"vit_recipes"} - optional):
+        owners = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+        if not owners & names:
+            undeclared.append(f"{module} ({', '.join(sorted(owners))})")
+    assert not undeclared, undeclared
