@@ -16,6 +16,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_fr
 from .data import imbalance, resolve_source
 from .hub import redact
 from .launch import env_int
+from .streaming import stream_rows
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ def _versions(strategy, lora: bool) -> dict[str, str]:
 
 def _limitations(splits, dataset: str, evaluated: str | None) -> list[str]:
     count = len(splits.label_names)
-    rows = getattr(splits.train, "rows", None) if hasattr(splits.train, "part") else len(splits.train or [])
+    rows = stream_rows(splits.train) if splits.train is not None else None  # a stream: its metadata's count, if any
     trained = (f"{rows:,} images of {dataset}" if rows else f"a stream of {dataset}") if splits.train else dataset
     split = getattr(splits, evaluated, None) if evaluated else None
     scope = f"evaluated on its {evaluated} split ({len(split):,} images)" if split else "not evaluated"

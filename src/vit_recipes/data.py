@@ -18,7 +18,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Value
 from datasets.utils.stratify import stratified_shuffle_split_generate_indices
 
 from .errors import RecipeError, first_line
-from .folder_index import load_folder
+from .folder_index import DATA_BUILDERS, load_folder
 from .hub import LOCAL_BUILDERS, written_as_path
 from .images import IMAGE_EXTENSIONS
 
@@ -87,10 +87,11 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
             loaded = datasets.load_from_disk(str(path))
         elif path.is_file():
-            builder = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
-            if path.suffix not in builder:
+            if path.suffix not in DATA_BUILDERS:
                 raise RecipeError(f"cannot read {path}: expected a folder, .parquet, .arrow, .csv or .json file")
-            loaded = datasets.load_dataset(builder[path.suffix], data_files={"train": str(path)}, cache_dir=cache_dir)
+            loaded = datasets.load_dataset(
+                DATA_BUILDERS[path.suffix], data_files={"train": str(path)}, cache_dir=cache_dir
+            )
         else:
             try:  # indexed in one walk, the splits named explicitly (folder_index.py)
                 loaded = load_folder(path, cache_dir)

@@ -127,14 +127,16 @@ def _image_table(index: FolderIndex) -> datasets.DatasetDict:
     return datasets.DatasetDict(out)
 
 
-def load_folder(root: Path, cache_dir: str | None = None) -> datasets.DatasetDict:
+def load_folder(root: Path, cache_dir: str | None = None, streaming: bool = False):
     """The folder's splits: a table of image paths for a folder of images, else `datasets`' builder for its files
-    (imagefolder with metadata files, parquet, arrow, CSV or JSON), given the files of each split by name."""
+    (imagefolder with metadata files, parquet, arrow, CSV or JSON), given the files of each split by name.
+    `streaming`: the builder's splits as streams (WebDataset `.tar` shards too); a table of paths stays a table."""
+    builders = DATA_BUILDERS | ({".tar": "webdataset"} if streaming else {})
     index = index_folder(root.resolve())  # absolute paths in the table, as datasets writes them
     suffixes = {os.path.splitext(f)[1].lower() for f in index.files}
     names = {f.rsplit("/", 1)[-1] for f in index.files}
     images = suffixes & set(IMAGE_EXTENSIONS)
-    data = suffixes & set(DATA_BUILDERS)
+    data = suffixes & set(builders)
     if images and not (names & set(METADATA_FILES)):
         index.splits = {
             s: [f for f in fs if os.path.splitext(f)[1].lower() in images] for s, fs in index.splits.items()
@@ -142,18 +144,21 @@ def load_folder(root: Path, cache_dir: str | None = None) -> datasets.DatasetDic
         return _image_table(index)
     if images:
         builder = "imagefolder"
-    elif len({DATA_BUILDERS[s] for s in data}) == 1:
-        builder = DATA_BUILDERS[data.pop()]
+    elif len({builders[s] for s in data}) == 1:
+        builder = builders[data.pop()]
     elif data:
         raise RecipeError(f"folder {root} mixes data file types ({', '.join(sorted(data))}): keep one")
     else:
         raise RecipeError(
             f"no dataset found in folder {root}: no images ({', '.join(IMAGE_EXTENSIONS)}) and no data files "
-            f"({', '.join(DATA_BUILDERS)})"
+            f"({', '.join(builders)})"
         )
-    keep = set(IMAGE_EXTENSIONS) | set(METADATA_FILES) if builder == "imagefolder" else set(DATA_BUILDERS)
+    keep = set(IMAGE_EXTENSIONS) | set(METADATA_FILES) if builder == "imagefolder" else set(builders)
     data_files = {
-        split: [str(root / f) for f in files if os.path.splitext(f)[1].lower() in keep or f.endswith(METADATA_FILES)]
+        split: [
+            str(index.root / f) for f in files if os.path.splitext(f)[1].lower() in keep or f.endswith(METADATA_FILES)
+        ]
         for split, files in index.splits.items()
     }
-    return datasets.load_dataset(builder, data_files={s: f for s, f in data_files.items() if f}, cache_dir=cache_dir)
+    data_files = {s: f for s, f in data_files.items() if f}
+    return datasets.load_dataset(builder, data_files=data_files, cache_dir=cache_dir, streaming=streaming)

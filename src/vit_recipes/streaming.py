@@ -22,7 +22,7 @@ from datasets.distributed import split_dataset_by_node
 
 from .data import LABELS, VALIDATION_SPLITS, ImageSplits, find_column, resolve_source, sample
 from .errors import RecipeError
-from .folder_index import DATA_BUILDERS, index_folder, load_folder
+from .folder_index import DATA_BUILDERS, load_folder
 from .interrupt import worker_ignores_stop_signals
 from .swap import swapped
 
@@ -191,20 +191,11 @@ def _streams(source: str, config_name: str | None, cache_dir: str | None) -> dic
         if builder is None:
             raise RecipeError(f"--streaming reads a Hub dataset or a folder of shards, not {path}")
         return {"train": datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)}
-    index = index_folder(path.resolve())
-    suffixes = {os.path.splitext(f)[1].lower() for f in index.files}
-    data = suffixes & set(DATA_BUILDERS)
-    if len({DATA_BUILDERS[s] for s in data}) == 1 and not suffixes & {".jpg", ".jpeg", ".png"}:
-        builder = DATA_BUILDERS[data.pop()]
-        files = {
-            s: [str(index.root / f) for f in fs if f.endswith(tuple(DATA_BUILDERS))] for s, fs in index.splits.items()
-        }
-        return dict(datasets.load_dataset(builder, data_files=files, streaming=True))
-    if suffixes & {".tar"}:
-        files = {s: [str(index.root / f) for f in fs if f.endswith(".tar")] for s, fs in index.splits.items()}
-        return dict(datasets.load_dataset("webdataset", data_files=files, streaming=True))
-    table = load_folder(path, cache_dir)  # images: a table of paths (nothing copied), streamed in 64 shards
-    return {s: d.to_iterable_dataset(num_shards=min(64, len(d))) if s == "train" else d for s, d in table.items()}
+    loaded = load_folder(path, cache_dir, streaming=True)  # a folder of images: its table of paths, in 64 shards
+    return {
+        s: d.to_iterable_dataset(num_shards=min(64, len(d))) if s == "train" and isinstance(d, datasets.Dataset) else d
+        for s, d in loaded.items()
+    }
 
 
 def _materialize(split) -> datasets.Dataset:
