@@ -79,7 +79,7 @@ def predict_folder(cifar_like, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_trains_saves_and_reloads_with_pipeline(family, cifar_like, predict_folder, tmp_path, run_script):
     import torch
-    from transformers import AutoModelForImageClassification, pipeline
+    from transformers import AutoModelForImageClassification
 
     torch.manual_seed(0)
     config, processor = tiny(family)
@@ -89,12 +89,7 @@ def test_each_family_trains_saves_and_reloads_with_pipeline(family, cifar_like, 
     out = tmp_path / "out"
     results = train_and_predict(run_script, cifar_like, source, out, predict_folder)
     assert "test_accuracy" in results and results["train_loss"] > 0
-    with open(out / "predictions.csv") as f:
-        ours = {row["file"]: row for row in csv.DictReader(f)}
-    classify = pipeline("image-classification", model=str(out), device="cpu")
-    for name, row in ours.items():
-        best = classify(str(predict_folder / name), top_k=1)[0]
-        assert (best["label"], best["score"]) == (row["label"], pytest.approx(float(row["score"]), abs=1e-4)), name
+    assert_pipeline_matches_predictions(out, predict_folder)
     if family in ("convnext", "resnet"):  # no attention: the default picked eager; asking for SDPA is one line
         from vit_recipes.errors import RecipeError
 
@@ -220,7 +215,7 @@ def test_dinov2_trains_at_its_processors_size_and_a_model_that_cannot_keeps_its_
     table), says so in its start line, drops patches of 32-px images, and saves a processor that crops 32, which
     pipeline() follows to the run's own predictions. DeiT refuses another size than its config's: it keeps its own."""
     import torch
-    from transformers import AutoModelForImageClassification, pipeline
+    from transformers import AutoModelForImageClassification
 
     from vit_recipes.modeling import training_image_size
 
@@ -251,6 +246,13 @@ def test_dinov2_trains_at_its_processors_size_and_a_model_that_cannot_keeps_its_
         saved["crop_size"] == {"height": 32, "width": 32}
         and json.loads((out / "config.json").read_text())["image_size"] == 64
     )  # the table stays: the checkpoint reloads as it was
+    assert_pipeline_matches_predictions(out, predict_folder)
+
+
+def assert_pipeline_matches_predictions(out, predict_folder) -> None:
+    """pipeline() on the saved model gives predictions.csv's label and score for every image."""
+    from transformers import pipeline
+
     with open(out / "predictions.csv") as f:
         ours = {row["file"]: row for row in csv.DictReader(f)}
     classify = pipeline("image-classification", model=str(out), device="cpu")
