@@ -4,6 +4,7 @@ batch in the DataLoader workers (src/vit_recipes/folder_index.py, decoding.py)."
 import errno
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,16 +100,17 @@ def test_data_files_in_a_folder_are_handed_to_their_builder_by_split(tmp_path):
 # ------------------------------------------------------------------------------------------ choosing the path
 
 
-def test_auto_decodes_small_images_once_and_photos_per_batch(photos, cifar_like, capsys):
+def test_auto_decodes_small_images_once_and_photos_per_batch(photos, cifar_like, capsys, tmp_path, monkeypatch):
     """Photos (JPEG, decoded ~4x their file size) decode per batch and write nothing; CIFAR-shaped PNGs (about
     their own size decoded) are decoded once into the cache; the log says which path and why."""
+    cache = tmp_path / "cache"  # this test's own: test files running beside it write to the shared one
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
     splits = splits_of(photos)
-    cache = Path(datasets.config.HF_DATASETS_CACHE)
-    before = set(cache.rglob("*")) if cache.exists() else set()
+    before = set(cache.rglob("*"))
     prepared = prepare_images(splits, 64, decode_args())
     assert prepared.decode == "per_batch" and prepared.storage_shape == (73, 73)
     assert prepared.train is splits.train  # nothing decoded, nothing written
-    assert (set(cache.rglob("*")) if cache.exists() else set()) == before
+    assert set(cache.rglob("*")) == before
     said = capsys.readouterr().out
     assert "Images decoded per batch by the DataLoader workers to 73x73 uint8" in said
     assert "decoded 1" not in said  # the growth is stated, and well over 2x for these photos
@@ -312,3 +314,29 @@ def test_per_batch_workers_take_this_processs_share_of_the_cores_unless_given(mo
     given = SimpleNamespace(workers_given=True, dataloader_num_workers=3)
     share_cores_with_workers(given, per_batch)
     assert given.dataloader_num_workers == 3
+
+
+class _Niceness(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return os.nice(0)  # the worker's nice value
+
+
+def test_dataloader_workers_yield_the_cpu_to_the_main_process():
+    """Workers decoding per batch fill every core: they run at a lower priority than the process feeding the GPU."""
+    from vit_recipes.batches import WORKER_NICENESS, DeviceBatches
+
+    class Trainer:  # the Trainer's loader, as DeviceBatches receives it
+        args = SimpleNamespace(dataloader_drop_last=False)
+
+        def _get_dataloader(self, *args, is_training=False, **kwargs):
+            return torch.utils.data.DataLoader(_Niceness(), batch_size=None, num_workers=2)
+
+    class Batches(DeviceBatches, Trainer):
+        def __init__(self):  # no Trainer to build
+            pass
+
+    loader = Batches()._get_dataloader(is_training=True)
+    assert set(loader) == {min(19, os.nice(0) + WORKER_NICENESS)}

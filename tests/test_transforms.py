@@ -332,16 +332,33 @@ def test_policies_run_on_a_batch(policy):
     assert changed.sum() >= 8
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device syncs: CUDA only (run by the GPU acceptance record)")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_train_transform_and_mixup_never_sync_the_device(policy):
+    """A sync drains the queue of kernels the CPU launched ahead, so the GPU idles at every step: the train transform
+    (TrivialAugment's op groups, equalize's histogram) and mixup/cutmix must not read anything back."""
+    transform, _ = T.build_transforms(aug_args(auto_augment=policy, random_erasing=0.25), 224, MEAN, STD)
+    transform, mixup = transform.cuda(), T.MixupCutmix(0.8, 1.0, 100, 0.1)
+    pixels, labels = random_pixels(64, 256, 256).cuda(), torch.arange(64, device="cuda") % 100
+    mixup(transform(pixels), labels)  # first calls: lazy CUDA initialisation may sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # several draws: every op of the policy gets its turn
+            mixup(transform(pixels), labels)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_random_ops_sample_ops_uniformly_with_signs():
     torch.manual_seed(0)
     ops = T.RandomOps("randaugment", 64, magnitude=9)
-    op_ids, magnitudes = ops.sample(14000, torch.device("cpu"))
+    op_ids, magnitudes = ops.sample(14000)
     counts = torch.bincount(op_ids, minlength=14)
     assert counts.min() > 850 and counts.max() < 1150
     rotate = magnitudes[op_ids == list(T.OPS).index("Rotate")]
     assert set(rotate.tolist()) == {9.0, -9.0}
     ta = T.RandomOps("trivialaugment", 64)
-    op_ids, magnitudes = ta.sample(14000, torch.device("cpu"))
+    op_ids, magnitudes = ta.sample(14000)
     posterize_bits = magnitudes[op_ids == list(T.OPS).index("Posterize")]
     assert set(posterize_bits.tolist()) == set(range(2, 9))
 

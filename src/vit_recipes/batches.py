@@ -1,6 +1,8 @@
 """How batches reach the model: uint8 images, augmented on the training device; the loaders that deliver them."""
 
+import contextlib
 import functools
+import os
 import time
 
 import torch
@@ -9,6 +11,24 @@ from torch.utils.data import WeightedRandomSampler
 
 from .interrupt import worker_ignores_stop_signals
 from .swap import swapped
+
+WORKER_NICENESS = 10  # added to a DataLoader worker's nice value: well below the main process, still scheduled
+
+
+def worker_yields_cpu(then, worker_id: int) -> None:
+    """A DataLoader worker runs at a lower CPU priority than the main process, then calls `then`. Decoding JPEGs per
+    batch keeps every core busy; the main process launches the GPU's kernels, and when it waits for a core the GPU
+    idles (the first step, with its one-off set-up, is slowed most)."""
+    with contextlib.suppress(OSError):  # not permitted here: the workers keep the main process's priority
+        os.nice(WORKER_NICENESS)
+    if then is not None:
+        then(worker_id)
+
+
+def worker_setup(then=None) -> functools.partial:
+    """The worker_init_fn of our loaders: each worker leaves SIGINT/SIGTERM to the main process, which checkpoints
+    first (interrupt.py), and yields the CPU to it (above); then it calls `then`, the loader's own."""
+    return functools.partial(worker_ignores_stop_signals, functools.partial(worker_yields_cpu, then))
 
 
 class DeviceBatches:
@@ -30,10 +50,11 @@ class DeviceBatches:
         # torch.compile) in training only: evaluation and prediction score every image.
         with swapped(self.args, "dataloader_drop_last", self.args.dataloader_drop_last and is_training):
             loader = super()._get_dataloader(*args, is_training=is_training, **kwargs)
-        # Adds: the workers leave SIGINT/SIGTERM to the main process, which checkpoints first (interrupt.py).
+        # Adds: the workers leave SIGINT/SIGTERM to the main process, which checkpoints first (interrupt.py), and
+        # yield the CPU to it.
         base = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard holds a DataLoader
         if base.num_workers > 0:  # read when the workers start, each time the loader is iterated
-            base.worker_init_fn = functools.partial(worker_ignores_stop_signals, base.worker_init_fn)
+            base.worker_init_fn = worker_setup(base.worker_init_fn)
         return loader
 
     def _get_train_sampler(self, train_dataset=None):

@@ -10,7 +10,6 @@ parquet/arrow/WebDataset shards or image folders); validation and test stay map-
   Trainer's own resume would decode every skipped batch) and then sees what the uninterrupted run saw.
 """
 
-import functools
 import logging
 import math
 import os
@@ -20,10 +19,10 @@ import datasets
 import torch
 from datasets.distributed import split_dataset_by_node
 
+from .batches import worker_setup
 from .data import LABELS, VALIDATION_SPLITS, ImageSplits, find_column, resolve_source, sample
 from .errors import RecipeError
 from .folder_index import DATA_BUILDERS, load_folder
-from .interrupt import worker_ignores_stop_signals
 from .swap import swapped
 
 logger = logging.getLogger(__name__)
@@ -142,7 +141,7 @@ class StreamedBatches:
         loader = StatefulDataLoader(
             self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator, num_workers=workers,
             pin_memory=t.dataloader_pin_memory, drop_last=True, prefetch_factor=t.dataloader_prefetch_factor if workers else None,
-            worker_init_fn=functools.partial(worker_ignores_stop_signals, None) if workers else None,
+            worker_init_fn=worker_setup() if workers else None,
         )  # fmt: skip
         if self._stream_state is not None:
             loader.load_state_dict(self._stream_state)

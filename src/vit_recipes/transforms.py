@@ -1,7 +1,8 @@
 """Batched image transforms on the training device: uint8 (B, 3, H, W) at storage size -> normalised (B, 3, S, S).
 Train: random-resized crop and flip in one bilinear `grid_sample` (no antialiasing: storage is at most ~1.14x the model
 size, crops only enlarge), then optional RandAugment/TrivialAugmentWide with torchvision's ops and magnitudes (geometric
-ops bilinear, black fill; torchvision: nearest), all from torch's global RNG. Eval matches the saved PIL bicubic image
+ops bilinear, black fill; torchvision: nearest), from torch's global RNGs (crops on the device, ops on the CPU), with
+no device sync: the CPU launches the step's kernels ahead of the GPU. Eval matches the saved PIL bicubic image
 processor within 1-2 levels (antialiased bicubic in two passes rounded to uint8), so scores carry over."""
 
 import math
@@ -91,15 +92,17 @@ def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
 
 
 def _grayscale(x: Tensor) -> Tensor:
-    return (x * torch.tensor(GRAY_WEIGHTS, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    # Python-number weights: a torch.tensor(..., device=cuda) per call is a blocking copy, a device sync
+    return sum(weight * x[:, c : c + 1] for c, weight in enumerate(GRAY_WEIGHTS))
 
 
 def sharpness(x: Tensor, m: Tensor) -> Tensor:
     """Blend with PIL's SMOOTH-filtered image; the 1-pixel border keeps the original (as PIL and torchvision)."""
     n, c, h, w = x.shape
-    kernel = torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]], dtype=x.dtype, device=x.device) / 13
+    kernel = torch.full((1, 1, 3, 3), 1 / 13, dtype=x.dtype, device=x.device)  # filled on the device: no copy
+    kernel[..., 1, 1] = 5 / 13
     degenerate = x.clone()
-    degenerate[..., 1:-1, 1:-1] = F.conv2d(x.reshape(n * c, 1, h, w), kernel.view(1, 1, 3, 3)).view(n, c, h - 2, w - 2)
+    degenerate[..., 1:-1, 1:-1] = F.conv2d(x.reshape(n * c, 1, h, w), kernel).view(n, c, h - 2, w - 2)
     return _blend(x, degenerate, 1 + m)
 
 
@@ -122,7 +125,9 @@ def equalize(x: Tensor, m: Tensor) -> Tensor:
     n, c, h, w = x.shape
     levels = x.round().clamp(0, 255).long().view(n * c, h * w)
     ids = levels + 256 * torch.arange(n * c, device=x.device).unsqueeze(1)
-    hist = torch.bincount(ids.view(-1), minlength=n * c * 256).view(n * c, 256)
+    # scatter_add, not bincount: CUDA's bincount reads the largest id back to the host (a device sync per step)
+    hist = torch.zeros(n * c * 256, dtype=torch.long, device=x.device)
+    hist = hist.scatter_add_(0, ids.view(-1), torch.ones_like(ids.view(-1))).view(n * c, 256)
     top_count = hist.gather(1, levels.amax(1, keepdim=True))  # pixels at the brightest level present
     step = torch.div(h * w - top_count, 255, rounding_mode="floor")
     below = hist.cumsum(1) - hist  # pixels strictly darker than each level
@@ -170,16 +175,32 @@ def augmentation_space(policy: str, image_size: int) -> dict[str, tuple[Tensor, 
 
 
 def apply_per_sample_ops(x: Tensor, op_ids: Tensor, magnitudes: Tensor, names: Sequence[str]) -> Tensor:
-    """Op names[op_ids[i]] with magnitudes[i] on sample i: one batched call per op, on the samples that drew it."""
-    out = x.clone()
-    for i, name in enumerate(names):
-        if name != "Identity" and (idx := (op_ids == i).nonzero().squeeze(1)).numel():
-            out[idx] = OPS[name](x[idx], magnitudes[idx])
+    """Op names[op_ids[i]] with magnitudes[i] on sample i: one batched call per op, on the samples that drew it.
+
+    op_ids live on the CPU: the samples are sorted by op there, so every op's group is a slice whose bounds the host
+    already knows. Selecting them on the device (`nonzero`, a boolean index) reads a count back per op: ~13 device
+    syncs a step, each draining the queue of kernels the CPU had launched ahead."""
+    op_ids, magnitudes = op_ids.cpu(), magnitudes.cpu()
+    order = torch.argsort(op_ids, stable=True)
+    counts = torch.bincount(op_ids, minlength=len(names)).tolist()
+    if x.is_cuda:  # pinned: the copies below are truly asynchronous
+        order, magnitudes = order.pin_memory(), magnitudes.pin_memory()
+    device_order = order.to(x.device, non_blocking=True)
+    grouped, m = x[device_order], magnitudes.to(x.device, non_blocking=True)[device_order]
+    parts, start = [], 0
+    for name, count in zip(names, counts):
+        if count:
+            part = grouped[start : start + count]
+            parts.append(part if name == "Identity" else OPS[name](part, m[start : start + count]))
+        start += count
+    out = torch.empty_like(x)
+    out[device_order] = torch.cat(parts)  # back to the batch's order (labels were not moved)
     return out
 
 
 class RandomOps(nn.Module):
-    """RandAugment (fixed magnitude bin, `num_ops` rounds) or TrivialAugmentWide (one op, uniform bin), per sample."""
+    """RandAugment (fixed magnitude bin, `num_ops` rounds) or TrivialAugmentWide (one op, uniform bin), per sample.
+    Ops, bins and signs are drawn from torch's global CPU RNG: a few hundred numbers, and the host needs the ops."""
 
     def __init__(self, policy: str, image_size: int, num_ops: int = 2, magnitude: int = 9):
         super().__init__()  # policy and magnitude are checked with the arguments (arguments.validate_arguments)
@@ -188,24 +209,23 @@ class RandomOps(nn.Module):
         self.uniform_magnitude = policy == "trivialaugment"
         self.num_ops = 1 if self.uniform_magnitude else int(num_ops)
         self.magnitude = int(magnitude)
-        self.register_buffer("table", torch.stack([m for m, _ in space.values()]), persistent=False)
-        self.register_buffer("signed", torch.tensor([s for _, s in space.values()]), persistent=False)
+        self.table = torch.stack([m for m, _ in space.values()])  # CPU tensors: sampling happens there
+        self.signed = torch.tensor([s for _, s in space.values()])
 
     def forward(self, x: Tensor) -> Tensor:
         for _ in range(self.num_ops):
-            x = apply_per_sample_ops(x, *self.sample(x.shape[0], x.device), self.names)
+            x = apply_per_sample_ops(x, *self.sample(x.shape[0]), self.names)
         return x
 
-    def sample(self, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Per sample: an op id, and its magnitude with a random sign for signed ops."""
-        table, signed = self.table.to(device), self.signed.to(device)
-        op_ids = torch.randint(len(self.names), (batch,), device=device)
+    def sample(self, batch: int) -> tuple[Tensor, Tensor]:
+        """Per sample (on the CPU): an op id, and its magnitude with a random sign for signed ops."""
+        op_ids = torch.randint(len(self.names), (batch,))
         if self.uniform_magnitude:
-            bins = torch.randint(NUM_MAGNITUDE_BINS, (batch,), device=device)
+            bins = torch.randint(NUM_MAGNITUDE_BINS, (batch,))
         else:
-            bins = torch.full((batch,), self.magnitude, device=device)
-        negate = (torch.rand(batch, device=device) < 0.5) & signed[op_ids]
-        return op_ids, table[op_ids, bins] * torch.where(negate, -1.0, 1.0)
+            bins = torch.full((batch,), self.magnitude)
+        negate = (torch.rand(batch) < 0.5) & self.signed[op_ids]
+        return op_ids, self.table[op_ids, bins] * torch.where(negate, -1.0, 1.0)
 
 
 def random_erase(x: Tensor, prob: float, attempts: int = 10) -> Tensor:
