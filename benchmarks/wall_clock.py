@@ -14,6 +14,7 @@ and datasets caches: a new machine) and warm (the same command again, into a new
   split evaluated. Ours: `--config recipes/vit-base/food101/config_full.yaml --dataset_name FOLDER --max_steps 200`
   (auto: per-batch decoding for photos); `ours-once` adds `--decode_images once` (the decoded copy: the steady img/s
   the per-batch path must reach, and its disk). The peer reads the folder by --train_dir/--validation_dir.
+- photos-epoch: the same folder, one whole epoch (`--num_train_epochs 1`), the validation split evaluated at its end.
 
 `ours-compiled` runs (`--torch_compile_regions true`, cold then warm) measure what regional compilation costs once
 and saves per step: the data behind the default's "compile only where it pays" rule. `ours-after-compiled` is the
@@ -73,6 +74,11 @@ JOBS = {  # job -> (our arguments after the recipe, the peer's arguments for the
         ["--max_steps", "200", "--per_device_train_batch_size", "128", "--per_device_eval_batch_size", "256",
          "--eval_strategy", "no", "--save_strategy", "no", "--do_eval", "true"],
     ),
+    "photos-epoch": (
+        ["--num_train_epochs", "1"],
+        ["--num_train_epochs", "1", "--per_device_train_batch_size", "128", "--per_device_eval_batch_size", "256",
+         "--eval_strategy", "no", "--save_strategy", "no", "--do_eval", "true"],
+    ),
 }  # fmt: skip
 PEER_COMMON = ["--do_train", "true", "--bf16", "true", "--learning_rate", "1e-4", "--lr_scheduler_type", "cosine",
                "--logging_steps", "50", "--seed", "42", "--disable_tqdm", "true"]  # fmt: skip
@@ -85,6 +91,7 @@ PLAN = [
     ("epoch", "ours", None, "after-compiled"),
     ("steps200", "peer", 8, "cold"), ("epoch", "peer", 8, "cold"),
     ("photos200", "peer", 16, "cold"), ("photos200", "ours", None, "cold"), ("photos200", "ours-once", None, "cold"),
+    ("photos-epoch", "peer", 16, "cold"), ("photos-epoch", "ours", None, "cold"),
 ]  # fmt: skip
 
 
@@ -108,16 +115,16 @@ class Run:
 
 def argv_of(run: Run, assets: Path, out: Path, photos: Path | None = None) -> list[str]:
     ours, peer = JOBS[run.job]
-    dataset = str(photos) if run.job == "photos200" else str(assets / "cifar100")
+    dataset = str(photos) if run.job.startswith("photos") else str(assets / "cifar100")
     data = ["--model_name_or_path", str(assets / "vit-base"), "--dataset_name", dataset]
     if run.who == "peer":  # the job's arguments (and --extra) last: they win
         peer_args = common.peer_args(str(assets / "vit-base"), dataset, str(out), run.workers)
-        if run.job == "photos200":  # the example reads a folder of photos as two folders, not --dataset_name
+        if run.job.startswith("photos"):  # the example reads a folder of photos as two folders, not --dataset_name
             at = peer_args.index("--dataset_name")
             peer_args[at : at + 2] = ["--train_dir", f"{dataset}/train", "--validation_dir", f"{dataset}/validation"]
         return [sys.executable, *peer_args, *PEER_COMMON, *peer]
     extra = {"ours-compiled": ["--torch_compile_regions", "true"], "ours-once": ["--decode_images", "once"]}
-    recipe = PHOTOS_RECIPE if run.job == "photos200" else RECIPE
+    recipe = PHOTOS_RECIPE if run.job.startswith("photos") else RECIPE
     return [sys.executable, "run_image_classification.py", "--config", recipe, *data, "--output_dir", str(out),
             "--report_to", "none", *ours, *extra.get(run.who, [])]  # fmt: skip
 
@@ -289,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.extra:
             for job, (ours, peer) in list(JOBS.items()):
                 JOBS[job] = (ours + shlex.split(args.extra), peer + shlex.split(args.extra))
-        photos = photos_folder(work, args.photos) if any(r.job == "photos200" for r in runs) else None
+        photos = photos_folder(work, args.photos) if any(r.job.startswith("photos") for r in runs) else None
         bytecode = byte_compile(work) if args.bytecode else None
         start = time.time()
         for run in runs:
