@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,12 +22,44 @@ def tiny_run_args(data, model, out, *extra):
     return run_args(data, model, out, "--lr_scheduler_type", "constant", "--crop_scale_min", "0.5", *extra)
 
 
-def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, run_script, capsys):
+@pytest.fixture
+def cifar_without_test(cifar_like, tmp_path) -> Path:
+    """cifar_like's train split alone: validation is carved from it (100 images) and there is no test split."""
+    (tmp_path / "no-test" / "data").mkdir(parents=True)
+    shutil.copy(cifar_like / "data" / "train-00000-of-00001.parquet", tmp_path / "no-test" / "data")
+    return tmp_path / "no-test"
+
+
+@pytest.fixture
+def watched_run(monkeypatch):
+    """Trainer.predict's metric prefixes during a run, and the run's trainer and splits (steps.evaluate's)."""
+    from transformers import Trainer
+
+    import run_image_classification
+
+    predict, evaluate, seen = Trainer.predict, run_image_classification.evaluate, {"predicted": []}
+
+    def counted(self, dataset, *args, **kwargs):
+        seen["predicted"].append(kwargs.get("metric_key_prefix", "test"))
+        return predict(self, dataset, *args, **kwargs)
+
+    def captured(trainer, splits):
+        seen.update(trainer=trainer, splits=splits)
+        return evaluate(trainer, splits)
+
+    monkeypatch.setattr(Trainer, "predict", counted)
+    monkeypatch.setattr(run_image_classification, "evaluate", captured)
+    seen["predict"] = predict  # the Trainer's own, uncounted
+    return seen
+
+
+def test_train_evaluate_test_reports_and_card(cifar_like, tiny_vit, tmp_path, run_script, watched_run, capsys):
     out = tmp_path / "run"
     # --storage_size 20: the 32x32 images are stored at 20x20 (unset: 18, the model's 16 / 0.875)
     results = run_script(*tiny_run_args(cifar_like, tiny_vit, out, "--max_steps", "6", "--eval_strategy", "epoch",
                                         "--storage_size", "20"))  # fmt: skip
     printed = capsys.readouterr().out
+    assert watched_run["predicted"] == ["test"]  # validation is the last step's evaluation; test is predicted once
     assert {"eval_accuracy", "eval_top5_accuracy", "eval_f1_macro", "test_accuracy", "test_top5_accuracy"} <= set(
         results
     )
@@ -292,3 +325,52 @@ def test_class_weights_reach_the_training_of_a_run_on_real_imbalanced_digits(dig
     # the same model and seed: balanced weights the loss of the same first batch, balanced_sampler draws another one
     assert first_loss["balanced"] != pytest.approx(first_loss["none"], rel=1e-4), first_loss
     assert first_loss["balanced_sampler"] != pytest.approx(first_loss["none"], rel=1e-4), first_loss
+
+
+def test_without_a_test_split_the_final_reports_reuse_the_last_steps_evaluation(
+    cifar_without_test, tiny_vit, tmp_path, run_script, watched_run, capsys
+):
+    """--eval_strategy epoch scores validation at the last step (--max_steps stops mid-epoch): the final metrics and
+    reports are that evaluation's, with no second pass over validation, and equal a fresh prediction's."""
+    from vit_recipes.reports import write_reports
+
+    out = tmp_path / "run"
+    run_script(*tiny_run_args(cifar_without_test, tiny_vit, out, "--max_steps", "6", "--eval_strategy", "epoch",
+                              "--log_level", "info"))  # fmt: skip
+    assert watched_run["predicted"] == []
+    assert "Final validation metrics and reports reuse the evaluation at step 6" in capsys.readouterr().out
+    trainer, splits = watched_run["trainer"], watched_run["splits"]
+    fresh = watched_run["predict"](trainer, splits.validation, metric_key_prefix="eval")
+    saved, every = (json.loads((out / f"{name}_results.json").read_text()) for name in ("eval", "all"))
+    assert set(saved) == set(fresh.metrics) == {k for k in every if k.startswith("eval_")}  # the keys of a predict
+    for key, value in fresh.metrics.items():
+        if not key.endswith(("_runtime", "_per_second")):
+            assert saved[key] == pytest.approx(value, rel=1e-5), key
+    write_reports(fresh.predictions, fresh.label_ids, splits.label_names, tmp_path / "fresh", "validation")
+    for name in ("per_class_accuracy_validation.csv", "per_class_accuracy_validation.md"):
+        assert (out / name).read_text() == (tmp_path / "fresh" / name).read_text(), name
+    assert (out / "confusion_matrix_validation.png").stat().st_size > 5_000
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--ema_decay", "0.5"),
+        ("--load_best_model_at_end", "true", "--save_strategy", "epoch"),
+        ("--bf16_full_eval", "true"),
+        ("--do_train", "false"),
+    ],
+    ids=["ema", "load_best_model_at_end", "bf16_full_eval", "evaluation_only"],
+)
+def test_the_final_validation_is_predicted_again_when_the_model_changed_or_was_not_evaluated(
+    flags, cifar_without_test, tiny_vit, tmp_path, run_script, watched_run, capsys
+):
+    """The weight average or the best checkpoint replaced the weights the last evaluation scored, bf16_full_eval
+    casts the model for evaluations after training only, an evaluation-only run scored nothing yet: validation is
+    predicted once, and its reports written."""
+    out = tmp_path / "run"
+    run_script(*tiny_run_args(cifar_without_test, tiny_vit, out, "--max_steps", "6", "--eval_strategy", "epoch",
+                              "--log_level", "info", *flags))  # fmt: skip
+    assert watched_run["predicted"] == ["eval"]
+    assert "reuse the evaluation" not in capsys.readouterr().out
+    assert (out / "per_class_accuracy_validation.csv").is_file() and (out / "eval_results.json").is_file()

@@ -39,7 +39,7 @@ from .plots import write_plots
 from .reports import write_reports
 from .run_dir import LOSS_RECORD, read_loss_record, record_run
 from .streaming import load_stream_splits, stream_rows
-from .trainer import ImageClassificationTrainer
+from .trainer import Evaluated, ImageClassificationTrainer
 from .transforms import build_mixup, build_transforms
 
 logger = logging.getLogger("run_image_classification")
@@ -180,24 +180,42 @@ def save_model_files(trainer, args: RunArguments, splits: ImageSplits, image_siz
 
 
 def evaluate(trainer, splits: ImageSplits) -> tuple[dict, tuple | None]:
-    """Metrics on validation, then once on test; and (split name, predictions) of the last one, for the reports."""
+    """Metrics on validation, then once on test; and (split name, predictions) of the last one, for the reports.
+
+    Validation is not scored again when the Trainer's evaluation at the last step scored this very model: its logged
+    metrics are reused, and, with no test split, its predictions (kept by the Trainer's evaluation_loop)."""
     results, last = {}, None
     for name, split in (("eval", splits.validation), ("test", splits.test)):
         if split is None:
             continue
-        metrics = None
-        if name == "eval" and splits.test is not None:  # an evaluation at the last step, model unchanged since
-            state, t = trainer.state, trainer.args  # (no EMA, no best)
-            end = next((entry for entry in reversed(state.log_history) if "eval_loss" in entry), {})
-            if end.get("step") == state.global_step and trainer.ema is None and not t.load_best_model_at_end:
-                metrics = {k: v for k, v in end.items() if k.startswith("eval_")}
-        if not metrics:  # else the reports come from test: no second pass over validation
+        metrics, kept = last_step_evaluation(trainer, split) if name == "eval" else ({}, None)
+        if metrics and (kept or splits.test is not None):  # with a test split the reports are test's: metrics do
+            what = "metrics" if splits.test is not None else "metrics and reports"
+            logger.info("Final validation %s reuse the evaluation at step %d (same model): no second pass", what,
+                        trainer.state.global_step)  # fmt: skip
+            last = ("validation", kept)
+        else:
             output = trainer.predict(split, metric_key_prefix=name)
             metrics, last = output.metrics, ("test" if name == "test" else "validation", output)
         trainer.log_metrics(name, metrics)
         trainer.save_metrics(name, metrics)
         results.update(metrics)
     return results, last
+
+
+def last_step_evaluation(trainer, split) -> tuple[dict, Evaluated | None]:
+    """The eval_* metrics the Trainer logged at the last step and its kept predictions of `split` (None if another
+    loop ran since), while the model is still the one they scored; else ({}, None).
+
+    Not after --ema_decay's average or load_best_model_at_end's checkpoint replaced the trained weights, nor with
+    fp16/bf16_full_eval (the Trainer casts the model for evaluations outside training only)."""
+    state, t, kept = trainer.state, trainer.args, trainer.last_evaluation
+    end = next((entry for entry in reversed(state.log_history) if "eval_loss" in entry), {})
+    changed = trainer.ema is not None or t.load_best_model_at_end or t.fp16_full_eval or t.bf16_full_eval
+    if end.get("step") != state.global_step or changed:
+        return {}, None
+    same = kept is not None and kept.step == state.global_step and kept.prefix == "eval" and kept.dataset is split
+    return {k: v for k, v in end.items() if k.startswith("eval_")}, kept if same else None
 
 
 def start_figures(trainer, plots: bool) -> FigureProcess | None:
