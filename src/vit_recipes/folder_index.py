@@ -51,30 +51,45 @@ class FolderIndex:
         return [f for files in self.splits.values() for f in files]
 
 
-def _wanted(relative: str) -> bool:
-    parts = relative.split("/")
-    hidden = any(p.startswith(".") or (p.startswith("__") and p != "__init__") for p in parts)
-    return not hidden and parts[-1] not in FILES_TO_IGNORE
+def _wanted(name: str) -> bool:
+    """A file or folder name that `datasets` reads (its folders were checked on the way down)."""
+    hidden = name.startswith(".") or (name.startswith("__") and name != "__init__")
+    return not hidden and name not in FILES_TO_IGNORE
+
+
+def suffix(relative: str) -> str:
+    """The file name's extension, lower-cased (os.path.splitext's, without its cost on a million names)."""
+    name = relative[relative.rfind("/") + 1 :]
+    dot = name.rfind(".")
+    return name[dot:].lower() if dot > 0 and name[:dot].strip(".") else ""
 
 
 def walk(root: Path) -> tuple[list[str], str]:
-    """Every file under `root` (sorted, relative, '/'-separated) and a signature of their sizes and times."""
+    """Every file under `root` (sorted, relative, '/'-separated) and a signature of their sizes and times.
+    Plain strings throughout: per-file Python work is most of the walk on a folder of a million images."""
     found, digest, stack = [], hashlib.sha256(), [""]
     while stack:
         folder = stack.pop()
-        with os.scandir(root / folder if folder else root) as entries:
+        prefix = f"{folder}/" if folder else ""
+        with os.scandir(os.path.join(root, folder)) as entries:
             for entry in entries:
-                relative = f"{folder}/{entry.name}" if folder else entry.name
+                if not _wanted(entry.name):
+                    continue
                 if entry.is_dir(follow_symlinks=True):
-                    if _wanted(relative + "/x"):
-                        stack.append(relative)
-                elif _wanted(relative):
+                    stack.append(prefix + entry.name)
+                else:
                     stat = entry.stat()
-                    found.append((relative, stat.st_size, stat.st_mtime_ns))
+                    found.append((prefix + entry.name, stat.st_size, stat.st_mtime_ns))
     found.sort()
-    for relative, size, mtime in found:
-        digest.update(f"{relative}\0{size}\0{mtime}\n".encode())
+    digest.update("".join(f"{relative}\0{size}\0{mtime}\n" for relative, size, mtime in found).encode())
     return [relative for relative, _, _ in found], digest.hexdigest()[:16]
+
+
+def _keyword_split(path: str, in_dir: bool) -> str | None:
+    for split, patterns in KEYWORD_PATTERNS[in_dir].items():
+        if any(p.search(path) for p in patterns):
+            return split
+    return None
 
 
 def assign_splits(files: list[str]) -> dict[str, list[str]]:
@@ -85,13 +100,22 @@ def assign_splits(files: list[str]) -> dict[str, list[str]]:
             sharded.setdefault(match[1].rsplit("/", 1)[-1], []).append(f)
     if sharded and sum(map(len, sharded.values())) == len(files):
         return sharded
+    # Folder keywords depend on a file's folder alone: matched once per folder, not once per file.
+    by_folder: dict[str, str | None] = {}
     for in_dir in (True, False):
         splits: dict[str, list[str]] = {}
         for f in files:
-            for split, patterns in KEYWORD_PATTERNS[in_dir].items():
-                if any(p.search(f) for p in patterns):
-                    splits.setdefault(split, []).append(f)
-                    break
+            if in_dir:
+                folder = f[: f.rfind("/") + 1]  # "" or "a/b/": the patterns need a folder's closing "/"
+                split = (
+                    by_folder[folder]
+                    if folder in by_folder
+                    else by_folder.setdefault(folder, _keyword_split(folder, True))
+                )
+            else:
+                split = _keyword_split(f, False)
+            if split is not None:
+                splits.setdefault(split, []).append(f)
         if splits:
             return splits
     return {"train": list(files)}
@@ -117,8 +141,9 @@ def _image_table(index: FolderIndex) -> datasets.DatasetDict:
         features["label"] = datasets.ClassLabel(names=labels)
     ids = {name: i for i, name in enumerate(labels)}
     out = {}
+    root = str(index.root)
     for split, files in index.splits.items():
-        columns = {"image": [{"path": str(index.root / f), "bytes": None} for f in files]}
+        columns = {"image": [{"path": f"{root}/{f}", "bytes": None} for f in files]}
         if with_labels:
             columns["label"] = [ids[f.rsplit("/", 2)[-2]] for f in files]
         # The signature names the table for datasets' cache: the same folder, unchanged, finds its decoded copy.
@@ -133,14 +158,13 @@ def load_folder(root: Path, cache_dir: str | None = None, streaming: bool = Fals
     `streaming`: the builder's splits as streams (WebDataset `.tar` shards too); a table of paths stays a table."""
     builders = DATA_BUILDERS | ({".tar": "webdataset"} if streaming else {})
     index = index_folder(root.resolve())  # absolute paths in the table, as datasets writes them
-    suffixes = {os.path.splitext(f)[1].lower() for f in index.files}
-    names = {f.rsplit("/", 1)[-1] for f in index.files}
+    suffixes = {suffix(f) for f in index.files}
     images = suffixes & set(IMAGE_EXTENSIONS)
     data = suffixes & set(builders)
-    if images and not (names & set(METADATA_FILES)):
-        index.splits = {
-            s: [f for f in fs if os.path.splitext(f)[1].lower() in images] for s, fs in index.splits.items()
-        }
+    metadata = set(METADATA_FILES)
+    if images and not any(f[f.rfind("/") + 1 :] in metadata for f in index.files):
+        if suffixes != images:  # other files beside the images: left out
+            index.splits = {s: [f for f in fs if suffix(f) in images] for s, fs in index.splits.items()}
         return _image_table(index)
     if images:
         builder = "imagefolder"
@@ -155,9 +179,7 @@ def load_folder(root: Path, cache_dir: str | None = None, streaming: bool = Fals
         )
     keep = set(IMAGE_EXTENSIONS) | set(METADATA_FILES) if builder == "imagefolder" else set(builders)
     data_files = {
-        split: [
-            str(index.root / f) for f in files if os.path.splitext(f)[1].lower() in keep or f.endswith(METADATA_FILES)
-        ]
+        split: [str(index.root / f) for f in files if suffix(f) in keep or f.endswith(METADATA_FILES)]
         for split, files in index.splits.items()
     }
     data_files = {s: f for s, f in data_files.items() if f}
