@@ -907,11 +907,11 @@ def render(record: Path, runs: list[dict]) -> None:
         lines += [f"## {', '.join(r['parts'])}", "",
                   f"`{r['command']}` on {r['gpus']} x {r['device']}, {r['date']}, commit {r['commit']}, "
                   f"{r['wall_s']} s wall clock. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
-                  "", "| status | check | detail | command |", "|---|---|---|---|"]  # fmt: skip
-        for c in r["checks"]:
-            detail = str(c["detail"]).replace("|", "/")
-            lines.append(f"| {c['status']} | {c['check']} | {detail} | `{c['command']}` |")
-        lines.append("")
+                  ""]  # fmt: skip
+        rows = [
+            [c["status"], c["check"], str(c["detail"]).replace("|", "/"), f"`{c['command']}`"] for c in r["checks"]
+        ]
+        lines += common.markdown_table(["status", "check", "detail", "command"], rows) + [""]
     (record / "acceptance.md").write_text("\n".join(lines))
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root
-from benchmarks.common import save_png  # noqa: E402
+from benchmarks.common import markdown_table, save_png  # noqa: E402
 
 CHARTS = ("throughput_vs_batch.png", "memory_vs_batch.png", "time_20_steps.png")
 REQUIRED = ("name", "strategy", "gpus", "model", "per_device_batch", "precision", "metrics")
@@ -230,19 +230,13 @@ def result_columns(records: list[dict]) -> list[tuple]:
     return columns
 
 
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    return out
-
-
 def summary_table(records: list[dict]) -> str:
     """The short table of a record's README: each run's img/s (and against the peer), peak memory and status."""
     rows = [[f"`{r['name']}`", _num(r["metrics"].get("train_images_per_second"), 0, thousands=True),
              "–" if (ratio := peer_ratio(r, records)) is None else f"{ratio:.2f}x",
              _num(peak_allocated(r["metrics"]), 1), r["status"] + (f": {r['error'][:80]}" if r.get("error") else "")]
             for r in sorted(records, key=sort_key)]  # fmt: skip
-    return "\n".join(table(["run", "img/s", PEER_COLUMN, "peak GiB", "status"], rows))
+    return "\n".join(markdown_table(["run", "img/s", PEER_COLUMN, "peak GiB", "status"], rows))
 
 
 def markdown(records: list[dict], title: str, charts: list[str]) -> str:
@@ -271,7 +265,7 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
     lines.append("")
     if ok:
         lines += ["## Throughput and memory", ""]
-        lines += table([c for c, _ in columns], [[f(r, r["metrics"]) for _, f in columns] for r in ok])
+        lines += markdown_table([c for c, _ in columns], [[f(r, r["metrics"]) for _, f in columns] for r in ok])
         lines.append("")
     if decode:
         lines += ["## Decoding: cold vs warm datasets cache", ""]
@@ -287,7 +281,9 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
             ]
             for r in decode
         ]
-        lines += table(["Run", "Dataset", "Cache", "decode s", "wall s (whole run)", "img/s", "data wait %"], rows)
+        lines += markdown_table(
+            ["Run", "Dataset", "Cache", "decode s", "wall s (whole run)", "img/s", "data wait %"], rows
+        )
         lines.append("")
     if failed:
         lines += ["## Failed or skipped runs", ""]
@@ -303,7 +299,7 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
             ]
             for r in failed
         ]
-        lines += table(["Run", "Strategy", "GPUs", "Precision", "Batch/GPU", "Status", "Error"], rows)
+        lines += markdown_table(["Run", "Strategy", "GPUs", "Precision", "Batch/GPU", "Status", "Error"], rows)
         lines.append("")
     if charts:
         lines += ["## Charts", ""] + [f"![{Path(c).stem}]({c})" for c in charts] + [""]

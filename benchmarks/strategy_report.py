@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "src")]  # run as a file; tools/ holds trace_analysis
 from trace_analysis import analyze  # noqa: E402  tools/trace_analysis.py: a user's tool for --profile_steps traces
 
-from benchmarks.common import save_png  # noqa: E402
+from benchmarks.common import markdown_table, save_png  # noqa: E402
 from benchmarks.report import _num as number_cell  # noqa: E402  one number format
 from benchmarks.report import load_records  # noqa: E402  one record loader
 from vit_recipes import strategies  # noqa: E402
@@ -303,22 +303,6 @@ def comparison(variants: list[Variant]) -> tuple[int | None, list[tuple[Variant,
 
 def _fmt(value, digits: int = 1, pct: bool = False, thousands: bool = False) -> str:
     return number_cell(value, digits, 100 if pct else 1, thousands) + ("%" if pct and value is not None else "")
-
-
-def _numeric(cell) -> bool:
-    text = str(cell).replace(",", "").replace("%", "").split(" ")[0]
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return text == "–"
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    """Markdown table; columns whose cells are all numbers are right-aligned."""
-    align = ["---:" if i and rows and all(_numeric(row[i]) for row in rows) else "---" for i in range(len(headers))]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
-    return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
 
 
 def summary_rows(variants: list[Variant], runs: list[Run]) -> list[list[str]]:
@@ -619,7 +603,7 @@ def markdown(
     ]
     for model, variants in groups.items():
         lines += [f"## {model}", ""]
-        lines += _table(SUMMARY_HEADERS, summary_rows(variants, runs))
+        lines += markdown_table(SUMMARY_HEADERS, summary_rows(variants, runs), align_numbers=True)
         batch, pairs = comparison(variants)
         lines += ["", "### Use this when", ""]
         lines += use_when_lines(variants, runs)
@@ -639,7 +623,9 @@ def markdown(
         if breakdown_rows:
             where = f"at batch {batch}/GPU" if batch else "at each strategy's best batch"
             lines += ["", f"### Step-time breakdown ({where}, ms per step)", ""]
-            lines += _table(["Strategy", "Batch/GPU", *BREAKDOWN_COLOURS, "step", "source"], breakdown_rows)
+            lines += markdown_table(
+                ["Strategy", "Batch/GPU", *BREAKDOWN_COLOURS, "step", "source"], breakdown_rows, align_numbers=True
+            )
         lines.append("")
     lines += ["## Charts", ""]
     titles = {
@@ -654,7 +640,7 @@ def markdown(
     failed = [r for r in runs if not r.ok]
     if failed:
         lines += ["## Runs that did not finish", ""]
-        lines += _table(
+        lines += markdown_table(
             ["Run", "Strategy", "Batch/GPU", "Status", "Why"],
             [
                 [
@@ -666,6 +652,7 @@ def markdown(
                 ]
                 for r in failed
             ],
+            align_numbers=True,
         )
         lines.append("")
     traced = [r for r in runs if r.trace]
@@ -677,7 +664,7 @@ def markdown(
         ]
         lines.append("")
     lines += ["## All runs", ""]
-    lines += _table(
+    lines += markdown_table(
         ["Run", "Model", "Strategy", "Batch/GPU", "Precision", "Images/s", "Step (ms)", "Peak alloc GiB", "Record"],
         [
             [
@@ -695,6 +682,7 @@ def markdown(
                 runs, key=lambda r: (r.model, r.gpus, _strategy_rank(r.strategy), r.strategy, r.batch or 0)
             )
         ],
+        align_numbers=True,
     )
     lines += [
         "",
