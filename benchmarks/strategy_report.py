@@ -456,15 +456,29 @@ def _bar_labels(ax, bars, texts: list[str]) -> None:
         )
 
 
-def chart_throughput(groups: dict[str, list[Variant]]) -> Figure:
+# The bar charts of each strategy at its best batch: metric -> (scale, colour, y label, title, text on a bar)
+BEST_BATCH_BARS = {
+    "train_images_per_second": (1, "#4c72b0", "images/s (best batch, all GPUs)", "throughput", "b{batch}"),
+    "train_mfu": (100, "#55a868", "MFU (%)", "model FLOPs utilisation (best batch)", "{value:.1f}%"),
+}
+
+
+def chart_best(groups: dict[str, list[Variant]], metric: str) -> Figure:
+    """BEST_BATCH_BARS[metric]: a bar per strategy, at its best batch; a missing value is a bar of 0 marked n/a."""
+    scale, colour, ylabel, title, text = BEST_BATCH_BARS[metric]
     fig, axes = _figure(len(groups))
     for ax, (model, variants) in zip(axes, groups.items()):
         ok = [v for v in variants if v.best]
-        bars = ax.bar(range(len(ok)), [v.best.m("train_images_per_second") for v in ok], color="#4c72b0")
-        _bar_labels(ax, bars, [f"b{v.best.batch}" for v in ok])
+        values = [scale * (v.best.m(metric) or 0.0) for v in ok]
+        bars = ax.bar(range(len(ok)), values, color=colour)
+        texts = [
+            text.format(batch=v.best.batch, value=x) if v.best.m(metric) is not None else "n/a"
+            for v, x in zip(ok, values)
+        ]
+        _bar_labels(ax, bars, texts)
         ax.set_xticks(range(len(ok)), [v.label for v in ok], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("images/s (best batch, all GPUs)")
-        ax.set_title(f"{model}: throughput")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{model}: {title}")
     return fig
 
 
@@ -545,34 +559,21 @@ def chart_scaling(groups: dict[str, list[Variant]], runs: list[Run]) -> Figure:
     return fig
 
 
-def chart_mfu(groups: dict[str, list[Variant]]) -> Figure:
-    fig, axes = _figure(len(groups))
-    for ax, (model, variants) in zip(axes, groups.items()):
-        ok = [v for v in variants if v.best]
-        values = [100 * (v.best.m("train_mfu") or 0.0) for v in ok]
-        bars = ax.bar(range(len(ok)), values, color="#55a868")
-        _bar_labels(ax, bars, ["n/a" if v.best.m("train_mfu") is None else f"{x:.1f}%" for v, x in zip(ok, values)])
-        ax.set_xticks(range(len(ok)), [v.label for v in ok], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("MFU (%)")
-        ax.set_title(f"{model}: model FLOPs utilisation (best batch)")
-    return fig
-
-
-CHARTS = ("throughput", "memory", "step_breakdown", "scaling", "mfu")
+# name -> (its heading in the report, its figure from the sections and the runs), in the report's order
+CHARTS = {
+    "throughput": ("Throughput per strategy", lambda groups, runs: chart_best(groups, "train_images_per_second")),
+    "memory": ("Memory per GPU", lambda groups, runs: chart_memory(groups)),
+    "step_breakdown": ("Step-time breakdown", chart_breakdown),
+    "scaling": ("Scaling efficiency", chart_scaling),
+    "mfu": ("MFU", lambda groups, runs: chart_best(groups, "train_mfu")),
+}
 
 
 def write_charts(groups, runs, folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = {
-        "throughput": lambda: chart_throughput(groups),
-        "memory": lambda: chart_memory(groups),
-        "step_breakdown": lambda: chart_breakdown(groups, runs),
-        "scaling": lambda: chart_scaling(groups, runs),
-        "mfu": lambda: chart_mfu(groups),
-    }
     out = {}
-    for name, job in tqdm(jobs.items(), desc="strategy report charts", leave=False):
-        fig = job()
+    for name, (_, draw) in tqdm(CHARTS.items(), desc="strategy report charts", leave=False):
+        fig = draw(groups, runs)
         fig.tight_layout()
         out[name] = str(save_png(fig, folder / f"{name}.png"))
     return out
@@ -628,15 +629,8 @@ def markdown(
             )
         lines.append("")
     lines += ["## Charts", ""]
-    titles = {
-        "throughput": "Throughput per strategy",
-        "memory": "Memory per GPU",
-        "step_breakdown": "Step-time breakdown",
-        "scaling": "Scaling efficiency",
-        "mfu": "MFU",
-    }
-    for name in CHARTS:
-        lines += [f"### {titles[name]}", "", f"![{titles[name]}]({rel[name]})", ""]
+    for name, (title, _) in CHARTS.items():
+        lines += [f"### {title}", "", f"![{title}]({rel[name]})", ""]
     failed = [r for r in runs if not r.ok]
     if failed:
         lines += ["## Runs that did not finish", ""]
