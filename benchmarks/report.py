@@ -82,7 +82,8 @@ def table_records(paths: list[str | os.PathLike]) -> list[dict]:
 
 
 def fill_derived(record: dict) -> None:
-    """batches/s and img/s per GPU for records written by hand or by an older runner."""
+    """batches/s and img/s per GPU where a record lacks them: the runner's new records, and records written by hand
+    or by an older runner."""
     metrics = record["metrics"]
     if metrics.get("train_step_time_s") and "train_batches_per_second" not in metrics:
         metrics["train_batches_per_second"] = round(1.0 / metrics["train_step_time_s"], 3)
