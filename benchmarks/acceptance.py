@@ -783,7 +783,7 @@ def build_assets(suite: Suite, parts: list[str]) -> None:
     random ViT-B/16 with the 100-class head in place (every run starts from the same weights) and ViT-H/14."""
     import numpy as np
 
-    from benchmarks.make_assets import CHECKPOINTS, make_dataset
+    from benchmarks.make_assets import CHECKPOINTS, VIT_KEYS, make_dataset
 
     a = suite.assets
     if not (a / "cifar100").is_dir():
@@ -797,8 +797,7 @@ def build_assets(suite: Suite, parts: list[str]) -> None:
         from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
         torch.manual_seed(0)
-        shape = CHECKPOINTS.get(name) or dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                              intermediate_size=64, patch_size=8, image_size=32)  # fmt: skip
+        shape = CHECKPOINTS.get(name) or dict(zip(VIT_KEYS, (32, 2, 2, 64, 8, 32)))  # vit-tiny, for --cpu
         config = ViTConfig(**shape, num_labels=100, id2label=names, label2id={v: k for k, v in names.items()})
         ViTForImageClassification(config).save_pretrained(a / name)
         ViTImageProcessor(size={"height": shape["image_size"], "width": shape["image_size"]}).save_pretrained(a / name)

@@ -25,23 +25,15 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-CHECKPOINTS = {
-    "vit-base": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        patch_size=16,
-        image_size=224,
-    ),
-    "vit-huge": dict(
-        hidden_size=1280,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        intermediate_size=5120,
-        patch_size=14,
-        image_size=224,
-    ),
+VIT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size", "image_size")
+CHECKPOINTS = {  # ViTConfig's VIT_KEYS
+    "vit-base": dict(zip(VIT_KEYS, (768, 12, 12, 3072, 16, 224))),
+    "vit-huge": dict(zip(VIT_KEYS, (1280, 32, 16, 5120, 14, 224))),
+}
+# make_dataset's image and label columns, classes, splits (train, test: default images), format, range of image sides
+DATASETS = {
+    "cifar100": ("img", "fine_label", 100, {"train": 50_000, "test": 10_000}, "PNG", (32, 32)),
+    "food101": ("image", "label", 101, {"train": 75_750, "validation": 25_250}, "JPEG", (384, 640)),
 }
 
 
@@ -139,7 +131,7 @@ def make_checkpoint(out: Path, name: str) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("assets", nargs="+", choices=["cifar100", "food101", *CHECKPOINTS, *FAMILIES])
+    parser.add_argument("assets", nargs="+", choices=[*DATASETS, *CHECKPOINTS, *FAMILIES])
     parser.add_argument("--out", default="bench_assets")
     parser.add_argument("--train", type=int, default=None, help="train images (default 50,000 / 75,750)")
     parser.add_argument("--test", type=int, default=None, help="test/validation images (default 10,000 / 25,250)")
@@ -151,28 +143,11 @@ def main() -> None:
         if target.exists():
             print(f"{target} exists, kept")
             continue
-        if asset == "cifar100":
-            make_dataset(
-                target,
-                "img",
-                "fine_label",
-                100,
-                {"train": args.train or 50_000, "test": args.test or 10_000},
-                "PNG",
-                (32, 32),
-                args.workers,
-            )
-        elif asset == "food101":
-            make_dataset(
-                target,
-                "image",
-                "label",
-                101,
-                {"train": args.train or 75_750, "validation": args.test or 25_250},
-                "JPEG",
-                (384, 640),
-                args.workers,
-            )
+        if asset in DATASETS:
+            image, label, classes, splits, fmt, sides = DATASETS[asset]
+            (train, default_train), (test, default_test) = splits.items()
+            splits = {train: args.train or default_train, test: args.test or default_test}
+            make_dataset(target, image, label, classes, splits, fmt, sides, args.workers)
         else:
             make_checkpoint(target, asset)
         print(f"wrote {target}")
