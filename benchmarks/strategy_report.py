@@ -305,40 +305,6 @@ def _fmt(value, digits: int = 1, pct: bool = False, thousands: bool = False) -> 
     return number_cell(value, digits, 100 if pct else 1, thousands) + ("%" if pct and value is not None else "")
 
 
-def summary_rows(variants: list[Variant], runs: list[Run]) -> list[list[str]]:
-    rows = []
-    for v in variants:
-        best = v.best
-        if best is None:
-            failure = next((r for r in v.runs if r.record.get("error")), v.runs[0])
-            why = failure.record.get("failure") or failure.record.get("status") or "no metrics"
-            rows.append([v.label, *["–"] * 12, f"failed ({why})"])
-            continue
-        efficiency = _first_available(v, best, lambda r: scaling_efficiency(r, runs))
-        overhead = _first_available(v, best, lambda r: comm_overhead(r, runs))
-        memory = f"{_fmt(best.m('train_peak_allocated_gib'))} / {_fmt(best.m('train_peak_reserved_gib'))}"
-        fits = _fmt(v.largest_fit, 0) + (f" (OOM at {v.oom_at})" if v.oom_at else "")
-        rows.append(
-            [
-                v.label,
-                _fmt(best.batch, 0),
-                _fmt(best.m("train_images_per_second"), 0, thousands=True),
-                _fmt(best.m("train_images_per_second") / best.gpus, 0, thousands=True),
-                _fmt(best.step_ms, 1),
-                _fmt(best.time_20_steps, 2),
-                _fmt(best.m("train_data_wait_fraction"), 1, pct=True),
-                _fmt(best.m("train_mfu"), 1, pct=True),
-                memory,
-                _fmt(best.m("train_states_allocated_gib_max_rank"), 2),
-                fits,
-                f"{_fmt(efficiency[0], 0, pct=True)} (vs {efficiency[1]})" if efficiency else "–",
-                f"{_fmt(overhead[0], 1, pct=True)} ({overhead[1]})" if overhead else "–",
-                "ok",
-            ]
-        )
-    return rows
-
-
 def _first_available(variant: Variant, best: Run, compute) -> tuple[float, str] | None:
     """`compute` of the best run; failing that (no baseline at its batch), of the largest batch that has one,
     saying which batch."""
@@ -352,22 +318,49 @@ def _first_available(variant: Variant, best: Run, compute) -> tuple[float, str] 
     return None
 
 
-SUMMARY_HEADERS = [
-    "Strategy",
-    "Batch/GPU",
-    "Images/s",
-    "Images/s/GPU",
-    "Step (ms)",
-    "20 steps (s)",
-    "Data wait",
-    "MFU",
-    "Peak alloc / reserved GiB per GPU",
-    "Model states GiB per GPU",
-    "Largest batch that fit",
-    "Scaling efficiency",
-    "Comm. overhead",
-    "Status",
-]
+def _share(value: tuple[float, str] | None, digits: int, against: str = "") -> str:
+    """A (fraction, what it comes from) cell: '96% (vs 1 GPU)', '11.8% (trace)'; – without one."""
+    return f"{_fmt(value[0], digits, pct=True)} ({against}{value[1]})" if value else "–"
+
+
+# The summary table: (header, cell of variant v from its best run b, among runs), a column each
+SUMMARY_COLUMNS = (
+    ("Strategy", lambda v, b, runs: v.label),
+    ("Batch/GPU", lambda v, b, runs: _fmt(b.batch, 0)),
+    ("Images/s", lambda v, b, runs: _fmt(b.m("train_images_per_second"), 0, thousands=True)),
+    ("Images/s/GPU", lambda v, b, runs: _fmt(b.m("train_images_per_second") / b.gpus, 0, thousands=True)),
+    ("Step (ms)", lambda v, b, runs: _fmt(b.step_ms, 1)),
+    ("20 steps (s)", lambda v, b, runs: _fmt(b.time_20_steps, 2)),
+    ("Data wait", lambda v, b, runs: _fmt(b.m("train_data_wait_fraction"), 1, pct=True)),
+    ("MFU", lambda v, b, runs: _fmt(b.m("train_mfu"), 1, pct=True)),
+    (
+        "Peak alloc / reserved GiB per GPU",
+        lambda v, b, runs: f"{_fmt(b.m('train_peak_allocated_gib'))} / {_fmt(b.m('train_peak_reserved_gib'))}",
+    ),
+    ("Model states GiB per GPU", lambda v, b, runs: _fmt(b.m("train_states_allocated_gib_max_rank"), 2)),
+    (
+        "Largest batch that fit",
+        lambda v, b, runs: _fmt(v.largest_fit, 0) + (f" (OOM at {v.oom_at})" if v.oom_at else ""),
+    ),
+    (
+        "Scaling efficiency",
+        lambda v, b, runs: _share(_first_available(v, b, lambda r: scaling_efficiency(r, runs)), 0, "vs "),
+    ),
+    ("Comm. overhead", lambda v, b, runs: _share(_first_available(v, b, lambda r: comm_overhead(r, runs)), 1)),
+    ("Status", lambda v, b, runs: "ok"),
+)
+
+
+def summary_rows(variants: list[Variant], runs: list[Run]) -> list[list[str]]:
+    rows = []
+    for v in variants:
+        if (best := v.best) is not None:
+            rows.append([cell(v, best, runs) for _, cell in SUMMARY_COLUMNS])
+            continue
+        failure = next((r for r in v.runs if r.record.get("error")), v.runs[0])
+        why = failure.record.get("failure") or failure.record.get("status") or "no metrics"
+        rows.append([v.label, *["–"] * (len(SUMMARY_COLUMNS) - 2), f"failed ({why})"])
+    return rows
 
 
 # When to pick each strategy of the table (vit_recipes.strategies), in the report's advice lines.
@@ -604,7 +597,7 @@ def markdown(
     ]
     for model, variants in groups.items():
         lines += [f"## {model}", ""]
-        lines += markdown_table(SUMMARY_HEADERS, summary_rows(variants, runs), align_numbers=True)
+        lines += markdown_table([h for h, _ in SUMMARY_COLUMNS], summary_rows(variants, runs), align_numbers=True)
         batch, pairs = comparison(variants)
         lines += ["", "### Use this when", ""]
         lines += use_when_lines(variants, runs)
