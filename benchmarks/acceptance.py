@@ -436,8 +436,7 @@ class Suite:
 
     @property
     def gpu_ids(self) -> list[str]:
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        return visible or [str(i) for i in range(self.gpus)]
+        return common.visible_gpu_ids() or [str(i) for i in range(self.gpus)]
 
 
 # ------------------------------------------------------------------------------------------------------ checks

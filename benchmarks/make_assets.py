@@ -44,12 +44,9 @@ def _encode_shard(args) -> list[bytes]:
     rng = np.random.default_rng(seed)
     palette = np.random.default_rng(0).integers(0, 256, size=(256, 3))
     out = []
+    lo, hi = size_range
     for label in labels:
-        h, w = (
-            (int(s) for s in rng.integers(*size_range, size=2))
-            if size_range[0] != size_range[1]
-            else (size_range[0], size_range[0])
-        )
+        h, w = (int(s) for s in rng.integers(lo, hi, size=2)) if lo != hi else (lo, lo)
         base = palette[label] + rng.normal(0, 40, size=(h // 8 + 1, w // 8 + 1, 3))  # blotchy texture
         image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).resize((w, h), Image.Resampling.BILINEAR)
         buffer = io.BytesIO()
@@ -78,11 +75,8 @@ def make_dataset(
         labels = np.arange(count) % classes
         shards = [(labels[i : i + 2000], seed * 1000 + i, fmt, size_range) for i in range(0, count, 2000)]
         with ProcessPoolExecutor(workers) as pool:
-            images = [
-                b
-                for shard in tqdm(pool.map(_encode_shard, shards), total=len(shards), desc=f"{out.name} {split}")
-                for b in shard
-            ]
+            encoded = tqdm(pool.map(_encode_shard, shards), total=len(shards), desc=f"{out.name} {split}")
+            images = [image for shard in encoded for image in shard]
         table = pa.table(
             {image_col: [{"bytes": b, "path": None} for b in images], label_col: labels.tolist()},
             schema=features.arrow_schema,

@@ -159,15 +159,8 @@ def attach_traces(runs: list[Run]) -> None:
 
 def baseline(run: Run, runs: list[Run]) -> tuple[Run, str] | None:
     """The run `run` is compared against for scaling: single GPU at the same batch, else fewest GPUs."""
-    same = [
-        r
-        for r in runs
-        if r.ok
-        and r.model == run.model
-        and r.precision == run.precision
-        and r.batch == run.batch
-        and r.checkpointing == run.checkpointing
-    ]
+    like = (run.model, run.precision, run.batch, run.checkpointing)
+    same = [r for r in runs if r.ok and (r.model, r.precision, r.batch, r.checkpointing) == like]
     single = [r for r in same if r.gpus == 1]
     if single and run.gpus > 1:
         best = max(single, key=lambda r: (r.strategy == "single", r.m("train_images_per_second")))
@@ -186,10 +179,8 @@ def scaling_efficiency(run: Run, runs: list[Run]) -> tuple[float, str] | None:
     if base is None:
         return None
     other, what = base
-    per_gpu, base_per_gpu = (
-        run.m("train_images_per_second") / run.gpus,
-        other.m("train_images_per_second") / other.gpus,
-    )
+    per_gpu = run.m("train_images_per_second") / run.gpus
+    base_per_gpu = other.m("train_images_per_second") / other.gpus
     return (per_gpu / base_per_gpu, what) if base_per_gpu else None
 
 
