@@ -924,10 +924,7 @@ def merge(record: Path, other: Path) -> None:
 def chart(suite: Suite, record: Path) -> None:
     """losses.png: each run's per-step loss against its reference (DDP for the strategies, the uninterrupted run
     for the resumed ones), as a relative difference on a log scale with the tolerance drawn in."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # a figure of its own (no pyplot): nothing global to close
 
     w, floor = suite.work, 1e-6
     panels = {
@@ -942,7 +939,8 @@ def chart(suite: Suite, record: Path) -> None:
     panels = {title: lines for title, lines in panels.items() if lines}
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.2), squeeze=False)
+    fig = Figure(figsize=(7.5 * len(panels), 5.2))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, lines) in zip(axes[0], panels.items()):
         for label, run, reference in lines:
             ours, theirs = losses(w / run), losses(w / reference)
@@ -963,7 +961,6 @@ def chart(suite: Suite, record: Path) -> None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
     common.save_png(fig, record / "losses.png", dpi=72)
-    plt.close(fig)
 
 
 def importable(name: str) -> bool:

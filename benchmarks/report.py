@@ -339,20 +339,18 @@ def _batch_axis(ax, batches: list[int]) -> None:
 
 
 def _colours(keys) -> dict:
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
 
-    cmap = plt.get_cmap("tab10")
+    cmap = colormaps["tab10"]
     return {key: cmap(i % 10) for i, key in enumerate(sorted({(k[1], k[2], k[3], k[4], k[5]) for k in keys}))}
 
 
 def chart_vs_batch(records: list[dict], failures: list[dict], path: Path, kind: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # a figure of its own (no pyplot): nothing global to close
 
     models = _by_model(records + failures)
-    fig, axes = plt.subplots(1, len(models), figsize=(6.4 * len(models), 4.6), squeeze=False)
+    fig = Figure(figsize=(6.4 * len(models), 4.6))
+    axes = fig.subplots(1, len(models), squeeze=False)
     datasets = {r.get("dataset", "") for r in records}
     for ax, (model, model_records) in zip(axes[0], models.items()):
         ok = [r for r in model_records if r["status"] == "ok" and not r.get("cache")]
@@ -410,17 +408,14 @@ def chart_vs_batch(records: list[dict], failures: list[dict], path: Path, kind: 
             ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     save_png(fig, path)
-    plt.close(fig)
 
 
 def chart_time_20_steps(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     runs = sorted((r for r in records if r["metrics"].get("train_time_20_steps_s")), key=sort_key)
-    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.32 * len(runs) + 1.2)))
+    fig = Figure(figsize=(8, max(2.5, 0.32 * len(runs) + 1.2)))
+    ax = fig.subplots()
     colours = _colours([series_key(r) for r in runs])
     values = [r["metrics"]["train_time_20_steps_s"] for r in runs]
     y = list(range(len(runs)))[::-1]
@@ -435,7 +430,6 @@ def chart_time_20_steps(records: list[dict], path: Path) -> None:
     ax.set_title("Time for 20 steps")
     fig.tight_layout()
     save_png(fig, path)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------- main
