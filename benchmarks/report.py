@@ -315,17 +315,11 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
 # --------------------------------------------------------------------------------------------------- charts
 
 
-def _by_model(records: list[dict]) -> dict[str, list[dict]]:
-    grouped: dict[str, list[dict]] = defaultdict(list)
+def _group(records: list[dict], key) -> dict:
+    """The records by key(record), each group in the order given."""
+    grouped = defaultdict(list)
     for record in records:
-        grouped[record["model"]].append(record)
-    return dict(sorted(grouped.items()))
-
-
-def _series(records: list[dict]) -> dict[tuple, list[dict]]:
-    grouped: dict[tuple, list[dict]] = defaultdict(list)
-    for record in sorted(records, key=sort_key):
-        grouped[series_key(record)].append(record)
+        grouped[key(record)].append(record)
     return grouped
 
 
@@ -342,35 +336,30 @@ def _colours(keys) -> dict:
     from matplotlib import colormaps
 
     cmap = colormaps["tab10"]
-    return {key: cmap(i % 10) for i, key in enumerate(sorted({(k[1], k[2], k[3], k[4], k[5]) for k in keys}))}
+    return {key: cmap(i % 10) for i, key in enumerate(sorted({k[1:6] for k in keys}))}
 
 
 def chart_vs_batch(records: list[dict], failures: list[dict], path: Path, kind: str) -> None:
     from matplotlib.figure import Figure  # a figure of its own (no pyplot): nothing global to close
 
-    models = _by_model(records + failures)
+    models = dict(sorted(_group(records + failures, lambda r: r["model"]).items()))
     fig = Figure(figsize=(6.4 * len(models), 4.6))
     axes = fig.subplots(1, len(models), squeeze=False)
     datasets = {r.get("dataset", "") for r in records}
+    value = peak_allocated if kind == "memory" else lambda metrics: metrics.get("train_images_per_second")
     for ax, (model, model_records) in zip(axes[0], models.items()):
         ok = [r for r in model_records if r["status"] == "ok" and not r.get("cache")]
         oom = [r for r in model_records if r.get("failure") == "oom"]
-        series = _series(ok)
+        series = _group(sorted(ok, key=sort_key), series_key)
         colours = _colours(list(series) + [series_key(r) for r in oom])
         for key, runs in series.items():
-            colour = colours[(key[1], key[2], key[3], key[4], key[5])]
+            colour = colours[key[1:6]]
             x = [r["per_device_batch"] for r in runs]
             label = series_label(key, datasets)
-            if kind == "throughput":
-                ax.plot(
-                    x, [r["metrics"].get("train_images_per_second") for r in runs], "o-", color=colour, label=label
-                )
-            else:
-                allocated = [peak_allocated(r["metrics"]) for r in runs]
-                reserved = [r["metrics"].get("train_peak_reserved_gib") for r in runs]
-                ax.plot(x, allocated, "o-", color=colour, label=label)
-                if any(v is not None for v in reserved):
-                    ax.plot(x, reserved, "--_", color=colour, alpha=0.6, markersize=10)
+            ax.plot(x, [value(r["metrics"]) for r in runs], "o-", color=colour, label=label)
+            reserved = [r["metrics"].get("train_peak_reserved_gib") for r in runs]
+            if kind == "memory" and any(v is not None for v in reserved):
+                ax.plot(x, reserved, "--_", color=colour, alpha=0.6, markersize=10)
         for i, record in enumerate(oom):  # on the x axis, in the colour of its configuration
             ax.plot(
                 [record["per_device_batch"]],

@@ -429,15 +429,8 @@ def _figure(panels: int, width: float = 6.5, height: float = 4.4):
 
 def _bar_labels(ax, bars, texts: list[str]) -> None:
     for bar, text in zip(bars, texts):
-        ax.annotate(
-            text,
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-            xytext=(0, 2),
-            textcoords="offset points",
-        )
+        top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
+        ax.annotate(text, top, ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
 
 
 # The bar charts of each strategy at its best batch: metric -> (scale, colour, y label, title, text on a bar)
@@ -497,14 +490,8 @@ def chart_breakdown(groups: dict[str, list[Variant]], runs: list[Run]) -> Figure
             values = [p.get(name) or 0.0 for p in parts]
             ax.bar(range(len(chosen)), values, bottom=bottom, label=name, color=colour)
             bottom = [b + v for b, v in zip(bottom, values)]
-        sources = [p.get("source", "") for p in parts]
-        ax.set_xticks(
-            range(len(chosen)),
-            [f"{v.label}\n[{s.split(':')[0]}]" for (v, _), s in zip(chosen, sources)],
-            rotation=30,
-            ha="right",
-            fontsize=7,
-        )
+        labels = [f"{v.label}\n[{p.get('source', '').split(':')[0]}]" for (v, _), p in zip(chosen, parts)]
+        ax.set_xticks(range(len(chosen)), labels, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("ms per step")
         ax.set_title(f"{model}: step time " + (f"(batch {batch}/GPU)" if batch else "(best batch)"))
         ax.legend(fontsize=7)
