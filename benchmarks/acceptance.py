@@ -576,9 +576,8 @@ def check(suite: Suite) -> list[dict]:
             if suite.jobs[run].result.get("exit") != 0:
                 continue  # its own check says why
             scored = _json(w / "scores" / f"{run}.json")
-            reported = _json(w / run / "all_results.json").get(
-                "eval_accuracy" if job.part == "data" else "test_accuracy"
-            )
+            metric = "eval_accuracy" if job.part == "data" else "test_accuracy"  # the data part: validation
+            reported = _json(w / run / "all_results.json").get(metric)
             if not scored:
                 add(job.part, f"{run}: the saved model reloads with pipeline()", name, False, why_failed(suite, name))
                 continue

@@ -79,11 +79,8 @@ def model_tag(path: str) -> str:
     try:
         config = json.loads((Path(path) / "config.json").read_text())
         patch = config.get("patch_size")
-        key = (
-            config.get("hidden_size"),
-            config.get("num_hidden_layers"),
-            patch[0] if isinstance(patch, list) else patch,
-        )
+        patch = patch[0] if isinstance(patch, list) else patch
+        key = (config.get("hidden_size"), config.get("num_hidden_layers"), patch)
         if key in MODEL_TAGS:
             return MODEL_TAGS[key]
     except (OSError, ValueError):
@@ -503,11 +500,9 @@ def run_all(runs: list[dict], results: Path, suite: str, budget: float | None = 
 
 def make_assets(spec, folder: str) -> None:
     """benchmarks/make_assets.py with the suite's `assets` arguments: what is missing in `folder` is made."""
-    args = _as_args(spec)
-    if args:
-        subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / "make_assets.py"), "--out", folder, *args], check=True
-        )
+    if args := _as_args(spec):
+        script = ROOT / "benchmarks" / "make_assets.py"
+        subprocess.run([sys.executable, str(script), "--out", folder, *args], check=True)
 
 
 # --------------------------------------------------------------------------------------------------- CLI

@@ -581,17 +581,9 @@ def markdown(
         lines += use_when_lines(variants, runs)
         breakdown_rows = []
         for v, run in pairs:
-            parts = step_breakdown(run, runs)
-            if parts:
-                breakdown_rows.append(
-                    [
-                        v.label,
-                        _fmt(run.batch, 0),
-                        *[_fmt(parts[k], 1) for k in BREAKDOWN_COLOURS],
-                        _fmt(run.step_ms, 1),
-                        parts["source"],
-                    ]
-                )
+            if parts := step_breakdown(run, runs):
+                ms = [_fmt(parts[k], 1) for k in BREAKDOWN_COLOURS]
+                breakdown_rows.append([v.label, _fmt(run.batch, 0), *ms, _fmt(run.step_ms, 1), parts["source"]])
         if breakdown_rows:
             where = f"at batch {batch}/GPU" if batch else "at each strategy's best batch"
             lines += ["", f"### Step-time breakdown ({where}, ms per step)", ""]
