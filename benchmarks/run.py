@@ -395,7 +395,7 @@ def execute(
                 record["peer_transforms"] = metrics.get("peer_transforms")
             metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             record["metrics"] = metrics
-            report.fill_derived(record)  # steady-state batches/s and per-GPU images/s
+            report.fill_derived(record)  # steady-state batches/s and per-GPU images/s, from what the script measured
             metrics.update(per_rank_memory(output_dir))
             record["status"] = "ok"
             if "train_images_per_second" not in metrics:
