@@ -436,8 +436,7 @@ class Suite:
 
     @property
     def gpu_ids(self) -> list[str]:
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        return visible or [str(i) for i in range(self.gpus)]
+        return common.visible_gpu_ids() or [str(i) for i in range(self.gpus)]
 
 
 # ------------------------------------------------------------------------------------------------------ checks
@@ -577,9 +576,8 @@ def check(suite: Suite) -> list[dict]:
             if suite.jobs[run].result.get("exit") != 0:
                 continue  # its own check says why
             scored = _json(w / "scores" / f"{run}.json")
-            reported = _json(w / run / "all_results.json").get(
-                "eval_accuracy" if job.part == "data" else "test_accuracy"
-            )
+            metric = "eval_accuracy" if job.part == "data" else "test_accuracy"  # the data part: validation
+            reported = _json(w / run / "all_results.json").get(metric)
             if not scored:
                 add(job.part, f"{run}: the saved model reloads with pipeline()", name, False, why_failed(suite, name))
                 continue
@@ -783,7 +781,7 @@ def build_assets(suite: Suite, parts: list[str]) -> None:
     random ViT-B/16 with the 100-class head in place (every run starts from the same weights) and ViT-H/14."""
     import numpy as np
 
-    from benchmarks.make_assets import CHECKPOINTS, make_dataset
+    from benchmarks.make_assets import CHECKPOINTS, VIT_KEYS, make_dataset
 
     a = suite.assets
     if not (a / "cifar100").is_dir():
@@ -797,8 +795,7 @@ def build_assets(suite: Suite, parts: list[str]) -> None:
         from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
         torch.manual_seed(0)
-        shape = CHECKPOINTS.get(name) or dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                              intermediate_size=64, patch_size=8, image_size=32)  # fmt: skip
+        shape = CHECKPOINTS.get(name) or dict(zip(VIT_KEYS, (32, 2, 2, 64, 8, 32)))  # vit-tiny, for --cpu
         config = ViTConfig(**shape, num_labels=100, id2label=names, label2id={v: k for k, v in names.items()})
         ViTForImageClassification(config).save_pretrained(a / name)
         ViTImageProcessor(size={"height": shape["image_size"], "width": shape["image_size"]}).save_pretrained(a / name)
@@ -907,11 +904,11 @@ def render(record: Path, runs: list[dict]) -> None:
         lines += [f"## {', '.join(r['parts'])}", "",
                   f"`{r['command']}` on {r['gpus']} x {r['device']}, {r['date']}, commit {r['commit']}, "
                   f"{r['wall_s']} s wall clock. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
-                  "", "| status | check | detail | command |", "|---|---|---|---|"]  # fmt: skip
-        for c in r["checks"]:
-            detail = str(c["detail"]).replace("|", "/")
-            lines.append(f"| {c['status']} | {c['check']} | {detail} | `{c['command']}` |")
-        lines.append("")
+                  ""]  # fmt: skip
+        rows = [
+            [c["status"], c["check"], str(c["detail"]).replace("|", "/"), f"`{c['command']}`"] for c in r["checks"]
+        ]
+        lines += common.markdown_table(["status", "check", "detail", "command"], rows) + [""]
     (record / "acceptance.md").write_text("\n".join(lines))
 
 
@@ -926,10 +923,7 @@ def merge(record: Path, other: Path) -> None:
 def chart(suite: Suite, record: Path) -> None:
     """losses.png: each run's per-step loss against its reference (DDP for the strategies, the uninterrupted run
     for the resumed ones), as a relative difference on a log scale with the tolerance drawn in."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # a figure of its own (no pyplot): nothing global to close
 
     w, floor = suite.work, 1e-6
     panels = {
@@ -944,7 +938,8 @@ def chart(suite: Suite, record: Path) -> None:
     panels = {title: lines for title, lines in panels.items() if lines}
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.2), squeeze=False)
+    fig = Figure(figsize=(7.5 * len(panels), 5.2))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, lines) in zip(axes[0], panels.items()):
         for label, run, reference in lines:
             ours, theirs = losses(w / run), losses(w / reference)
@@ -965,7 +960,6 @@ def chart(suite: Suite, record: Path) -> None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     fig.tight_layout()
     common.save_png(fig, record / "losses.png", dpi=72)
-    plt.close(fig)
 
 
 def importable(name: str) -> bool:

@@ -184,6 +184,23 @@ def start_readme(folder: Path, title: str, question: str, command: str, table: s
     return path
 
 
+def _numeric(cell) -> bool:
+    text = str(cell).replace(",", "").replace("%", "").split(" ")[0]
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return text == "–"
+
+
+def markdown_table(header: list[str], rows: list[list], align_numbers: bool = False) -> list[str]:
+    """A markdown table's lines, `|` in cells escaped. With align_numbers, columns (but the first) whose cells are
+    all numbers are right-aligned."""
+    right = [align_numbers and i and rows and all(_numeric(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if r else "---" for r in right) + "|"]
+    return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+
+
 def save_png(fig, path: Path, dpi: int = 90) -> Path:
     """Save a matplotlib figure as a small PNG (a 256-colour palette: charts have few colours), as records keep."""
     import io

@@ -27,7 +27,6 @@ REMOVED = RESULTS / "removed.yaml"
 NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})_([a-z0-9_]+)_(\d+)x([A-Za-z0-9.]+)$")
 FIELDS = ("Question", "Headline", "Commit")
 MAX_PNG_BYTES = 60 * 1024
-CITING = ("README.md", "docs")  # where a link makes a record current
 
 
 def read_record(folder: Path) -> dict:

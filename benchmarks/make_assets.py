@@ -25,23 +25,15 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-CHECKPOINTS = {
-    "vit-base": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        patch_size=16,
-        image_size=224,
-    ),
-    "vit-huge": dict(
-        hidden_size=1280,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        intermediate_size=5120,
-        patch_size=14,
-        image_size=224,
-    ),
+VIT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size", "image_size")
+CHECKPOINTS = {  # ViTConfig's VIT_KEYS
+    "vit-base": dict(zip(VIT_KEYS, (768, 12, 12, 3072, 16, 224))),
+    "vit-huge": dict(zip(VIT_KEYS, (1280, 32, 16, 5120, 14, 224))),
+}
+# make_dataset's image and label columns, classes, splits (train, test: default images), format, range of image sides
+DATASETS = {
+    "cifar100": ("img", "fine_label", 100, {"train": 50_000, "test": 10_000}, "PNG", (32, 32)),
+    "food101": ("image", "label", 101, {"train": 75_750, "validation": 25_250}, "JPEG", (384, 640)),
 }
 
 
@@ -52,12 +44,9 @@ def _encode_shard(args) -> list[bytes]:
     rng = np.random.default_rng(seed)
     palette = np.random.default_rng(0).integers(0, 256, size=(256, 3))
     out = []
+    lo, hi = size_range
     for label in labels:
-        h, w = (
-            (int(s) for s in rng.integers(*size_range, size=2))
-            if size_range[0] != size_range[1]
-            else (size_range[0], size_range[0])
-        )
+        h, w = (int(s) for s in rng.integers(lo, hi, size=2)) if lo != hi else (lo, lo)
         base = palette[label] + rng.normal(0, 40, size=(h // 8 + 1, w // 8 + 1, 3))  # blotchy texture
         image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).resize((w, h), Image.Resampling.BILINEAR)
         buffer = io.BytesIO()
@@ -86,11 +75,8 @@ def make_dataset(
         labels = np.arange(count) % classes
         shards = [(labels[i : i + 2000], seed * 1000 + i, fmt, size_range) for i in range(0, count, 2000)]
         with ProcessPoolExecutor(workers) as pool:
-            images = [
-                b
-                for shard in tqdm(pool.map(_encode_shard, shards), total=len(shards), desc=f"{out.name} {split}")
-                for b in shard
-            ]
+            encoded = tqdm(pool.map(_encode_shard, shards), total=len(shards), desc=f"{out.name} {split}")
+            images = [image for shard in encoded for image in shard]
         table = pa.table(
             {image_col: [{"bytes": b, "path": None} for b in images], label_col: labels.tolist()},
             schema=features.arrow_schema,
@@ -139,7 +125,7 @@ def make_checkpoint(out: Path, name: str) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("assets", nargs="+", choices=["cifar100", "food101", *CHECKPOINTS, *FAMILIES])
+    parser.add_argument("assets", nargs="+", choices=[*DATASETS, *CHECKPOINTS, *FAMILIES])
     parser.add_argument("--out", default="bench_assets")
     parser.add_argument("--train", type=int, default=None, help="train images (default 50,000 / 75,750)")
     parser.add_argument("--test", type=int, default=None, help="test/validation images (default 10,000 / 25,250)")
@@ -151,28 +137,11 @@ def main() -> None:
         if target.exists():
             print(f"{target} exists, kept")
             continue
-        if asset == "cifar100":
-            make_dataset(
-                target,
-                "img",
-                "fine_label",
-                100,
-                {"train": args.train or 50_000, "test": args.test or 10_000},
-                "PNG",
-                (32, 32),
-                args.workers,
-            )
-        elif asset == "food101":
-            make_dataset(
-                target,
-                "image",
-                "label",
-                101,
-                {"train": args.train or 75_750, "validation": args.test or 25_250},
-                "JPEG",
-                (384, 640),
-                args.workers,
-            )
+        if asset in DATASETS:
+            image, label, classes, splits, fmt, sides = DATASETS[asset]
+            (train, default_train), (test, default_test) = splits.items()
+            splits = {train: args.train or default_train, test: args.test or default_test}
+            make_dataset(target, image, label, classes, splits, fmt, sides, args.workers)
         else:
             make_checkpoint(target, asset)
         print(f"wrote {target}")

@@ -149,20 +149,12 @@ def transforms(image_processor) -> tuple[object, object, str]:
     size = size["shortest_edge"] if "shortest_edge" in size else (size["height"], size["width"])
     mean, std = image_processor.image_mean, image_processor.image_std
     try:
-        from torchvision.transforms import (
-            CenterCrop,
-            Compose,
-            Normalize,
-            RandomHorizontalFlip,
-            RandomResizedCrop,
-            Resize,
-            ToTensor,
-        )
+        from torchvision import transforms as tv
     except Exception:  # noqa: BLE001 - not installed, or built for another torch
         return pil_train_transform(size, mean, std), pil_eval_transform(size, mean, std), "pil"
-    normalize = [ToTensor(), Normalize(mean=mean, std=std)]
-    train = Compose([RandomResizedCrop(size), RandomHorizontalFlip(), *normalize])
-    return train, Compose([Resize(size), CenterCrop(size), *normalize]), "torchvision"
+    normalize = [tv.ToTensor(), tv.Normalize(mean=mean, std=std)]
+    train = tv.Compose([tv.RandomResizedCrop(size), tv.RandomHorizontalFlip(), *normalize])
+    return train, tv.Compose([tv.Resize(size), tv.CenterCrop(size), *normalize]), "torchvision"
 
 
 # --------------------------------------------------------------------------------------------------- training

@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository root
-from benchmarks.common import save_png  # noqa: E402
+from benchmarks.common import markdown_table, save_png  # noqa: E402
 
 CHARTS = ("throughput_vs_batch.png", "memory_vs_batch.png", "time_20_steps.png")
 REQUIRED = ("name", "strategy", "gpus", "model", "per_device_batch", "precision", "metrics")
@@ -82,7 +82,8 @@ def table_records(paths: list[str | os.PathLike]) -> list[dict]:
 
 
 def fill_derived(record: dict) -> None:
-    """batches/s and img/s per GPU for records written by hand or by an older runner."""
+    """batches/s and img/s per GPU where a record lacks them: the runner's new records, and records written by hand
+    or by an older runner."""
     metrics = record["metrics"]
     if metrics.get("train_step_time_s") and "train_batches_per_second" not in metrics:
         metrics["train_batches_per_second"] = round(1.0 / metrics["train_step_time_s"], 3)
@@ -230,19 +231,13 @@ def result_columns(records: list[dict]) -> list[tuple]:
     return columns
 
 
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    return out
-
-
 def summary_table(records: list[dict]) -> str:
     """The short table of a record's README: each run's img/s (and against the peer), peak memory and status."""
     rows = [[f"`{r['name']}`", _num(r["metrics"].get("train_images_per_second"), 0, thousands=True),
              "–" if (ratio := peer_ratio(r, records)) is None else f"{ratio:.2f}x",
              _num(peak_allocated(r["metrics"]), 1), r["status"] + (f": {r['error'][:80]}" if r.get("error") else "")]
             for r in sorted(records, key=sort_key)]  # fmt: skip
-    return "\n".join(table(["run", "img/s", PEER_COLUMN, "peak GiB", "status"], rows))
+    return "\n".join(markdown_table(["run", "img/s", PEER_COLUMN, "peak GiB", "status"], rows))
 
 
 def markdown(records: list[dict], title: str, charts: list[str]) -> str:
@@ -271,7 +266,7 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
     lines.append("")
     if ok:
         lines += ["## Throughput and memory", ""]
-        lines += table([c for c, _ in columns], [[f(r, r["metrics"]) for _, f in columns] for r in ok])
+        lines += markdown_table([c for c, _ in columns], [[f(r, r["metrics"]) for _, f in columns] for r in ok])
         lines.append("")
     if decode:
         lines += ["## Decoding: cold vs warm datasets cache", ""]
@@ -287,7 +282,9 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
             ]
             for r in decode
         ]
-        lines += table(["Run", "Dataset", "Cache", "decode s", "wall s (whole run)", "img/s", "data wait %"], rows)
+        lines += markdown_table(
+            ["Run", "Dataset", "Cache", "decode s", "wall s (whole run)", "img/s", "data wait %"], rows
+        )
         lines.append("")
     if failed:
         lines += ["## Failed or skipped runs", ""]
@@ -303,7 +300,7 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
             ]
             for r in failed
         ]
-        lines += table(["Run", "Strategy", "GPUs", "Precision", "Batch/GPU", "Status", "Error"], rows)
+        lines += markdown_table(["Run", "Strategy", "GPUs", "Precision", "Batch/GPU", "Status", "Error"], rows)
         lines.append("")
     if charts:
         lines += ["## Charts", ""] + [f"![{Path(c).stem}]({c})" for c in charts] + [""]
@@ -318,17 +315,11 @@ def markdown(records: list[dict], title: str, charts: list[str]) -> str:
 # --------------------------------------------------------------------------------------------------- charts
 
 
-def _by_model(records: list[dict]) -> dict[str, list[dict]]:
-    grouped: dict[str, list[dict]] = defaultdict(list)
+def _group(records: list[dict], key) -> dict:
+    """The records by key(record), each group in the order given."""
+    grouped = defaultdict(list)
     for record in records:
-        grouped[record["model"]].append(record)
-    return dict(sorted(grouped.items()))
-
-
-def _series(records: list[dict]) -> dict[tuple, list[dict]]:
-    grouped: dict[tuple, list[dict]] = defaultdict(list)
-    for record in sorted(records, key=sort_key):
-        grouped[series_key(record)].append(record)
+        grouped[key(record)].append(record)
     return grouped
 
 
@@ -342,40 +333,33 @@ def _batch_axis(ax, batches: list[int]) -> None:
 
 
 def _colours(keys) -> dict:
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
 
-    cmap = plt.get_cmap("tab10")
-    return {key: cmap(i % 10) for i, key in enumerate(sorted({(k[1], k[2], k[3], k[4], k[5]) for k in keys}))}
+    cmap = colormaps["tab10"]
+    return {key: cmap(i % 10) for i, key in enumerate(sorted({k[1:6] for k in keys}))}
 
 
 def chart_vs_batch(records: list[dict], failures: list[dict], path: Path, kind: str) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # a figure of its own (no pyplot): nothing global to close
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = _by_model(records + failures)
-    fig, axes = plt.subplots(1, len(models), figsize=(6.4 * len(models), 4.6), squeeze=False)
+    models = dict(sorted(_group(records + failures, lambda r: r["model"]).items()))
+    fig = Figure(figsize=(6.4 * len(models), 4.6))
+    axes = fig.subplots(1, len(models), squeeze=False)
     datasets = {r.get("dataset", "") for r in records}
+    value = peak_allocated if kind == "memory" else lambda metrics: metrics.get("train_images_per_second")
     for ax, (model, model_records) in zip(axes[0], models.items()):
         ok = [r for r in model_records if r["status"] == "ok" and not r.get("cache")]
         oom = [r for r in model_records if r.get("failure") == "oom"]
-        series = _series(ok)
+        series = _group(sorted(ok, key=sort_key), series_key)
         colours = _colours(list(series) + [series_key(r) for r in oom])
         for key, runs in series.items():
-            colour = colours[(key[1], key[2], key[3], key[4], key[5])]
+            colour = colours[key[1:6]]
             x = [r["per_device_batch"] for r in runs]
             label = series_label(key, datasets)
-            if kind == "throughput":
-                ax.plot(
-                    x, [r["metrics"].get("train_images_per_second") for r in runs], "o-", color=colour, label=label
-                )
-            else:
-                allocated = [peak_allocated(r["metrics"]) for r in runs]
-                reserved = [r["metrics"].get("train_peak_reserved_gib") for r in runs]
-                ax.plot(x, allocated, "o-", color=colour, label=label)
-                if any(v is not None for v in reserved):
-                    ax.plot(x, reserved, "--_", color=colour, alpha=0.6, markersize=10)
+            ax.plot(x, [value(r["metrics"]) for r in runs], "o-", color=colour, label=label)
+            reserved = [r["metrics"].get("train_peak_reserved_gib") for r in runs]
+            if kind == "memory" and any(v is not None for v in reserved):
+                ax.plot(x, reserved, "--_", color=colour, alpha=0.6, markersize=10)
         for i, record in enumerate(oom):  # on the x axis, in the colour of its configuration
             ax.plot(
                 [record["per_device_batch"]],
@@ -413,17 +397,14 @@ def chart_vs_batch(records: list[dict], failures: list[dict], path: Path, kind: 
             ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     save_png(fig, path)
-    plt.close(fig)
 
 
 def chart_time_20_steps(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     runs = sorted((r for r in records if r["metrics"].get("train_time_20_steps_s")), key=sort_key)
-    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.32 * len(runs) + 1.2)))
+    fig = Figure(figsize=(8, max(2.5, 0.32 * len(runs) + 1.2)))
+    ax = fig.subplots()
     colours = _colours([series_key(r) for r in runs])
     values = [r["metrics"]["train_time_20_steps_s"] for r in runs]
     y = list(range(len(runs)))[::-1]
@@ -438,7 +419,6 @@ def chart_time_20_steps(records: list[dict], path: Path) -> None:
     ax.set_title("Time for 20 steps")
     fig.tight_layout()
     save_png(fig, path)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------- main

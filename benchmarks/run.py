@@ -79,11 +79,8 @@ def model_tag(path: str) -> str:
     try:
         config = json.loads((Path(path) / "config.json").read_text())
         patch = config.get("patch_size")
-        key = (
-            config.get("hidden_size"),
-            config.get("num_hidden_layers"),
-            patch[0] if isinstance(patch, list) else patch,
-        )
+        patch = patch[0] if isinstance(patch, list) else patch
+        key = (config.get("hidden_size"), config.get("num_hidden_layers"), patch)
         if key in MODEL_TAGS:
             return MODEL_TAGS[key]
     except (OSError, ValueError):
@@ -313,16 +310,6 @@ def run_process(argv: list[str], env: dict, log_path: Path, timeout: int) -> tup
     return code, time.perf_counter() - start
 
 
-def derived_metrics(metrics: dict, run: dict) -> dict:
-    """Steady-state batches/s and per-GPU images/s, from what the script measured."""
-    out = {}
-    if metrics.get("train_step_time_s"):
-        out["train_batches_per_second"] = round(1.0 / metrics["train_step_time_s"], 3)
-    if metrics.get("train_images_per_second"):
-        out["train_images_per_second_per_gpu"] = round(metrics["train_images_per_second"] / run["gpus"], 2)
-    return out
-
-
 PER_RANK = re.compile(r"^(gpu_mem_peak_gib|gpu_mem_allocated_gib|gpu_mem_reserved_gib|cpu_peak_rss_gib)_rank(\d+)$")
 PER_RANK_NAMES = {
     "gpu_mem_peak_gib": "train_peak_allocated_gib_rank",
@@ -407,7 +394,9 @@ def execute(
             if run["peer"]:
                 record["peer_transforms"] = metrics.get("peer_transforms")
             metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            record["metrics"] = {**metrics, **derived_metrics(metrics, run), **per_rank_memory(output_dir)}
+            record["metrics"] = metrics
+            report.fill_derived(record)  # steady-state batches/s and per-GPU images/s, from what the script measured
+            metrics.update(per_rank_memory(output_dir))
             record["status"] = "ok"
             if "train_images_per_second" not in metrics:
                 record.update(status="failed", failure="error", error="no steady-state steps (raise --steps above 5)")
@@ -511,11 +500,9 @@ def run_all(runs: list[dict], results: Path, suite: str, budget: float | None = 
 
 def make_assets(spec, folder: str) -> None:
     """benchmarks/make_assets.py with the suite's `assets` arguments: what is missing in `folder` is made."""
-    args = _as_args(spec)
-    if args:
-        subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / "make_assets.py"), "--out", folder, *args], check=True
-        )
+    if args := _as_args(spec):
+        script = ROOT / "benchmarks" / "make_assets.py"
+        subprocess.run([sys.executable, str(script), "--out", folder, *args], check=True)
 
 
 # --------------------------------------------------------------------------------------------------- CLI

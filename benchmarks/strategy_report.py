@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "src")]  # run as a file; tools/ holds trace_analysis
 from trace_analysis import analyze  # noqa: E402  tools/trace_analysis.py: a user's tool for --profile_steps traces
 
-from benchmarks.common import save_png  # noqa: E402
+from benchmarks.common import markdown_table, save_png  # noqa: E402
 from benchmarks.report import _num as number_cell  # noqa: E402  one number format
 from benchmarks.report import load_records  # noqa: E402  one record loader
 from vit_recipes import strategies  # noqa: E402
@@ -159,15 +159,8 @@ def attach_traces(runs: list[Run]) -> None:
 
 def baseline(run: Run, runs: list[Run]) -> tuple[Run, str] | None:
     """The run `run` is compared against for scaling: single GPU at the same batch, else fewest GPUs."""
-    same = [
-        r
-        for r in runs
-        if r.ok
-        and r.model == run.model
-        and r.precision == run.precision
-        and r.batch == run.batch
-        and r.checkpointing == run.checkpointing
-    ]
+    like = (run.model, run.precision, run.batch, run.checkpointing)
+    same = [r for r in runs if r.ok and (r.model, r.precision, r.batch, r.checkpointing) == like]
     single = [r for r in same if r.gpus == 1]
     if single and run.gpus > 1:
         best = max(single, key=lambda r: (r.strategy == "single", r.m("train_images_per_second")))
@@ -186,10 +179,8 @@ def scaling_efficiency(run: Run, runs: list[Run]) -> tuple[float, str] | None:
     if base is None:
         return None
     other, what = base
-    per_gpu, base_per_gpu = (
-        run.m("train_images_per_second") / run.gpus,
-        other.m("train_images_per_second") / other.gpus,
-    )
+    per_gpu = run.m("train_images_per_second") / run.gpus
+    base_per_gpu = other.m("train_images_per_second") / other.gpus
     return (per_gpu / base_per_gpu, what) if base_per_gpu else None
 
 
@@ -305,56 +296,6 @@ def _fmt(value, digits: int = 1, pct: bool = False, thousands: bool = False) -> 
     return number_cell(value, digits, 100 if pct else 1, thousands) + ("%" if pct and value is not None else "")
 
 
-def _numeric(cell) -> bool:
-    text = str(cell).replace(",", "").replace("%", "").split(" ")[0]
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return text == "–"
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    """Markdown table; columns whose cells are all numbers are right-aligned."""
-    align = ["---:" if i and rows and all(_numeric(row[i]) for row in rows) else "---" for i in range(len(headers))]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
-    return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
-
-
-def summary_rows(variants: list[Variant], runs: list[Run]) -> list[list[str]]:
-    rows = []
-    for v in variants:
-        best = v.best
-        if best is None:
-            failure = next((r for r in v.runs if r.record.get("error")), v.runs[0])
-            why = failure.record.get("failure") or failure.record.get("status") or "no metrics"
-            rows.append([v.label, *["–"] * 12, f"failed ({why})"])
-            continue
-        efficiency = _first_available(v, best, lambda r: scaling_efficiency(r, runs))
-        overhead = _first_available(v, best, lambda r: comm_overhead(r, runs))
-        memory = f"{_fmt(best.m('train_peak_allocated_gib'))} / {_fmt(best.m('train_peak_reserved_gib'))}"
-        fits = _fmt(v.largest_fit, 0) + (f" (OOM at {v.oom_at})" if v.oom_at else "")
-        rows.append(
-            [
-                v.label,
-                _fmt(best.batch, 0),
-                _fmt(best.m("train_images_per_second"), 0, thousands=True),
-                _fmt(best.m("train_images_per_second") / best.gpus, 0, thousands=True),
-                _fmt(best.step_ms, 1),
-                _fmt(best.time_20_steps, 2),
-                _fmt(best.m("train_data_wait_fraction"), 1, pct=True),
-                _fmt(best.m("train_mfu"), 1, pct=True),
-                memory,
-                _fmt(best.m("train_states_allocated_gib_max_rank"), 2),
-                fits,
-                f"{_fmt(efficiency[0], 0, pct=True)} (vs {efficiency[1]})" if efficiency else "–",
-                f"{_fmt(overhead[0], 1, pct=True)} ({overhead[1]})" if overhead else "–",
-                "ok",
-            ]
-        )
-    return rows
-
-
 def _first_available(variant: Variant, best: Run, compute) -> tuple[float, str] | None:
     """`compute` of the best run; failing that (no baseline at its batch), of the largest batch that has one,
     saying which batch."""
@@ -368,22 +309,49 @@ def _first_available(variant: Variant, best: Run, compute) -> tuple[float, str] 
     return None
 
 
-SUMMARY_HEADERS = [
-    "Strategy",
-    "Batch/GPU",
-    "Images/s",
-    "Images/s/GPU",
-    "Step (ms)",
-    "20 steps (s)",
-    "Data wait",
-    "MFU",
-    "Peak alloc / reserved GiB per GPU",
-    "Model states GiB per GPU",
-    "Largest batch that fit",
-    "Scaling efficiency",
-    "Comm. overhead",
-    "Status",
-]
+def _share(value: tuple[float, str] | None, digits: int, against: str = "") -> str:
+    """A (fraction, what it comes from) cell: '96% (vs 1 GPU)', '11.8% (trace)'; – without one."""
+    return f"{_fmt(value[0], digits, pct=True)} ({against}{value[1]})" if value else "–"
+
+
+# The summary table: (header, cell of variant v from its best run b, among runs), a column each
+SUMMARY_COLUMNS = (
+    ("Strategy", lambda v, b, runs: v.label),
+    ("Batch/GPU", lambda v, b, runs: _fmt(b.batch, 0)),
+    ("Images/s", lambda v, b, runs: _fmt(b.m("train_images_per_second"), 0, thousands=True)),
+    ("Images/s/GPU", lambda v, b, runs: _fmt(b.m("train_images_per_second") / b.gpus, 0, thousands=True)),
+    ("Step (ms)", lambda v, b, runs: _fmt(b.step_ms, 1)),
+    ("20 steps (s)", lambda v, b, runs: _fmt(b.time_20_steps, 2)),
+    ("Data wait", lambda v, b, runs: _fmt(b.m("train_data_wait_fraction"), 1, pct=True)),
+    ("MFU", lambda v, b, runs: _fmt(b.m("train_mfu"), 1, pct=True)),
+    (
+        "Peak alloc / reserved GiB per GPU",
+        lambda v, b, runs: f"{_fmt(b.m('train_peak_allocated_gib'))} / {_fmt(b.m('train_peak_reserved_gib'))}",
+    ),
+    ("Model states GiB per GPU", lambda v, b, runs: _fmt(b.m("train_states_allocated_gib_max_rank"), 2)),
+    (
+        "Largest batch that fit",
+        lambda v, b, runs: _fmt(v.largest_fit, 0) + (f" (OOM at {v.oom_at})" if v.oom_at else ""),
+    ),
+    (
+        "Scaling efficiency",
+        lambda v, b, runs: _share(_first_available(v, b, lambda r: scaling_efficiency(r, runs)), 0, "vs "),
+    ),
+    ("Comm. overhead", lambda v, b, runs: _share(_first_available(v, b, lambda r: comm_overhead(r, runs)), 1)),
+    ("Status", lambda v, b, runs: "ok"),
+)
+
+
+def summary_rows(variants: list[Variant], runs: list[Run]) -> list[list[str]]:
+    rows = []
+    for v in variants:
+        if (best := v.best) is not None:
+            rows.append([cell(v, best, runs) for _, cell in SUMMARY_COLUMNS])
+            continue
+        failure = next((r for r in v.runs if r.record.get("error")), v.runs[0])
+        why = failure.record.get("failure") or failure.record.get("status") or "no metrics"
+        rows.append([v.label, *["–"] * (len(SUMMARY_COLUMNS) - 2), f"failed ({why})"])
+    return rows
 
 
 # When to pick each strategy of the table (vit_recipes.strategies), in the report's advice lines.
@@ -461,26 +429,33 @@ def _figure(panels: int, width: float = 6.5, height: float = 4.4):
 
 def _bar_labels(ax, bars, texts: list[str]) -> None:
     for bar, text in zip(bars, texts):
-        ax.annotate(
-            text,
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-            xytext=(0, 2),
-            textcoords="offset points",
-        )
+        top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
+        ax.annotate(text, top, ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
 
 
-def chart_throughput(groups: dict[str, list[Variant]]) -> Figure:
+# The bar charts of each strategy at its best batch: metric -> (scale, colour, y label, title, text on a bar)
+BEST_BATCH_BARS = {
+    "train_images_per_second": (1, "#4c72b0", "images/s (best batch, all GPUs)", "throughput", "b{batch}"),
+    "train_mfu": (100, "#55a868", "MFU (%)", "model FLOPs utilisation (best batch)", "{value:.1f}%"),
+}
+
+
+def chart_best(groups: dict[str, list[Variant]], metric: str) -> Figure:
+    """BEST_BATCH_BARS[metric]: a bar per strategy, at its best batch; a missing value is a bar of 0 marked n/a."""
+    scale, colour, ylabel, title, text = BEST_BATCH_BARS[metric]
     fig, axes = _figure(len(groups))
     for ax, (model, variants) in zip(axes, groups.items()):
         ok = [v for v in variants if v.best]
-        bars = ax.bar(range(len(ok)), [v.best.m("train_images_per_second") for v in ok], color="#4c72b0")
-        _bar_labels(ax, bars, [f"b{v.best.batch}" for v in ok])
+        values = [scale * (v.best.m(metric) or 0.0) for v in ok]
+        bars = ax.bar(range(len(ok)), values, color=colour)
+        texts = [
+            text.format(batch=v.best.batch, value=x) if v.best.m(metric) is not None else "n/a"
+            for v, x in zip(ok, values)
+        ]
+        _bar_labels(ax, bars, texts)
         ax.set_xticks(range(len(ok)), [v.label for v in ok], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("images/s (best batch, all GPUs)")
-        ax.set_title(f"{model}: throughput")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{model}: {title}")
     return fig
 
 
@@ -515,14 +490,8 @@ def chart_breakdown(groups: dict[str, list[Variant]], runs: list[Run]) -> Figure
             values = [p.get(name) or 0.0 for p in parts]
             ax.bar(range(len(chosen)), values, bottom=bottom, label=name, color=colour)
             bottom = [b + v for b, v in zip(bottom, values)]
-        sources = [p.get("source", "") for p in parts]
-        ax.set_xticks(
-            range(len(chosen)),
-            [f"{v.label}\n[{s.split(':')[0]}]" for (v, _), s in zip(chosen, sources)],
-            rotation=30,
-            ha="right",
-            fontsize=7,
-        )
+        labels = [f"{v.label}\n[{p.get('source', '').split(':')[0]}]" for (v, _), p in zip(chosen, parts)]
+        ax.set_xticks(range(len(chosen)), labels, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("ms per step")
         ax.set_title(f"{model}: step time " + (f"(batch {batch}/GPU)" if batch else "(best batch)"))
         ax.legend(fontsize=7)
@@ -561,34 +530,21 @@ def chart_scaling(groups: dict[str, list[Variant]], runs: list[Run]) -> Figure:
     return fig
 
 
-def chart_mfu(groups: dict[str, list[Variant]]) -> Figure:
-    fig, axes = _figure(len(groups))
-    for ax, (model, variants) in zip(axes, groups.items()):
-        ok = [v for v in variants if v.best]
-        values = [100 * (v.best.m("train_mfu") or 0.0) for v in ok]
-        bars = ax.bar(range(len(ok)), values, color="#55a868")
-        _bar_labels(ax, bars, ["n/a" if v.best.m("train_mfu") is None else f"{x:.1f}%" for v, x in zip(ok, values)])
-        ax.set_xticks(range(len(ok)), [v.label for v in ok], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("MFU (%)")
-        ax.set_title(f"{model}: model FLOPs utilisation (best batch)")
-    return fig
-
-
-CHARTS = ("throughput", "memory", "step_breakdown", "scaling", "mfu")
+# name -> (its heading in the report, its figure from the sections and the runs), in the report's order
+CHARTS = {
+    "throughput": ("Throughput per strategy", lambda groups, runs: chart_best(groups, "train_images_per_second")),
+    "memory": ("Memory per GPU", lambda groups, runs: chart_memory(groups)),
+    "step_breakdown": ("Step-time breakdown", chart_breakdown),
+    "scaling": ("Scaling efficiency", chart_scaling),
+    "mfu": ("MFU", lambda groups, runs: chart_best(groups, "train_mfu")),
+}
 
 
 def write_charts(groups, runs, folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = {
-        "throughput": lambda: chart_throughput(groups),
-        "memory": lambda: chart_memory(groups),
-        "step_breakdown": lambda: chart_breakdown(groups, runs),
-        "scaling": lambda: chart_scaling(groups, runs),
-        "mfu": lambda: chart_mfu(groups),
-    }
     out = {}
-    for name, job in tqdm(jobs.items(), desc="strategy report charts", leave=False):
-        fig = job()
+    for name, (_, draw) in tqdm(CHARTS.items(), desc="strategy report charts", leave=False):
+        fig = draw(groups, runs)
         fig.tight_layout()
         out[name] = str(save_png(fig, folder / f"{name}.png"))
     return out
@@ -619,42 +575,29 @@ def markdown(
     ]
     for model, variants in groups.items():
         lines += [f"## {model}", ""]
-        lines += _table(SUMMARY_HEADERS, summary_rows(variants, runs))
+        lines += markdown_table([h for h, _ in SUMMARY_COLUMNS], summary_rows(variants, runs), align_numbers=True)
         batch, pairs = comparison(variants)
         lines += ["", "### Use this when", ""]
         lines += use_when_lines(variants, runs)
         breakdown_rows = []
         for v, run in pairs:
-            parts = step_breakdown(run, runs)
-            if parts:
-                breakdown_rows.append(
-                    [
-                        v.label,
-                        _fmt(run.batch, 0),
-                        *[_fmt(parts[k], 1) for k in BREAKDOWN_COLOURS],
-                        _fmt(run.step_ms, 1),
-                        parts["source"],
-                    ]
-                )
+            if parts := step_breakdown(run, runs):
+                ms = [_fmt(parts[k], 1) for k in BREAKDOWN_COLOURS]
+                breakdown_rows.append([v.label, _fmt(run.batch, 0), *ms, _fmt(run.step_ms, 1), parts["source"]])
         if breakdown_rows:
             where = f"at batch {batch}/GPU" if batch else "at each strategy's best batch"
             lines += ["", f"### Step-time breakdown ({where}, ms per step)", ""]
-            lines += _table(["Strategy", "Batch/GPU", *BREAKDOWN_COLOURS, "step", "source"], breakdown_rows)
+            lines += markdown_table(
+                ["Strategy", "Batch/GPU", *BREAKDOWN_COLOURS, "step", "source"], breakdown_rows, align_numbers=True
+            )
         lines.append("")
     lines += ["## Charts", ""]
-    titles = {
-        "throughput": "Throughput per strategy",
-        "memory": "Memory per GPU",
-        "step_breakdown": "Step-time breakdown",
-        "scaling": "Scaling efficiency",
-        "mfu": "MFU",
-    }
-    for name in CHARTS:
-        lines += [f"### {titles[name]}", "", f"![{titles[name]}]({rel[name]})", ""]
+    for name, (title, _) in CHARTS.items():
+        lines += [f"### {title}", "", f"![{title}]({rel[name]})", ""]
     failed = [r for r in runs if not r.ok]
     if failed:
         lines += ["## Runs that did not finish", ""]
-        lines += _table(
+        lines += markdown_table(
             ["Run", "Strategy", "Batch/GPU", "Status", "Why"],
             [
                 [
@@ -666,6 +609,7 @@ def markdown(
                 ]
                 for r in failed
             ],
+            align_numbers=True,
         )
         lines.append("")
     traced = [r for r in runs if r.trace]
@@ -677,7 +621,7 @@ def markdown(
         ]
         lines.append("")
     lines += ["## All runs", ""]
-    lines += _table(
+    lines += markdown_table(
         ["Run", "Model", "Strategy", "Batch/GPU", "Precision", "Images/s", "Step (ms)", "Peak alloc GiB", "Record"],
         [
             [
@@ -695,6 +639,7 @@ def markdown(
                 runs, key=lambda r: (r.model, r.gpus, _strategy_rank(r.strategy), r.strategy, r.batch or 0)
             )
         ],
+        align_numbers=True,
     )
     lines += [
         "",
