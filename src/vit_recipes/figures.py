@@ -1,5 +1,5 @@
-"""A run's figures, drawn by a child process while the GPU evaluates (in-process or in a thread, they cost seconds). It
-starts with training and imports matplotlib then, so that only the drawing is left at the end."""
+"""A run's figures, drawn by child processes while the GPU evaluates (in-process or in a thread, they cost seconds). They
+start with training and import matplotlib then, so that only the drawing is left at the end."""
 
 import contextlib
 import json
@@ -16,42 +16,59 @@ from .reports import plot_confusion_matrix
 
 
 class FigureProcess:
-    """`python -m vit_recipes.figures`, fed one JSON line per figure on its stdin; `finish` waits for them all."""
+    """Two `python -m vit_recipes.figures` children, each fed one JSON line per figure on its stdin: one draws the
+    training plots, the other the confusion matrix (the slowest figure at 100 classes and more), at the same time;
+    `finish` waits for them all."""
 
     def __init__(self):
-        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read in finish(), closed with the object
         package_root = str(Path(__file__).resolve().parents[1])  # importable there however this process found it
-        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        self._child = subprocess.Popen(
-            [sys.executable, "-m", "vit_recipes.figures"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            stderr=self._stderr, text=True, env={**os.environ, "PYTHONPATH": path},
-        )  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self._children = {kind: _Child(env) for kind in ("plots", "matrix")}
 
     def plots(self, history: list[dict], output_dir: str, label_smoothing: float) -> None:
-        """`plots.write_plots`, drawn by the child."""
-        self._send({"history": history, "output_dir": output_dir, "label_smoothing": label_smoothing})
+        """`plots.write_plots`, drawn by a child."""
+        self._children["plots"].send(
+            {"history": history, "output_dir": output_dir, "label_smoothing": label_smoothing}
+        )
 
     def confusion_matrix(self, matrix, label_names: list[str], path: str, title: str = "") -> str:
-        """`reports.plot_confusion_matrix`, drawn by the child; the PNG exists once `finish` returns."""
+        """`reports.plot_confusion_matrix`, drawn by a child; the PNG exists once `finish` returns."""
         names = [str(name) for name in label_names]
-        self._send({"matrix": np.asarray(matrix).tolist(), "label_names": names, "path": path, "title": title})
+        message = {"matrix": np.asarray(matrix).tolist(), "label_names": names, "path": path, "title": title}
+        self._children["matrix"].send(message)
         return path
 
     def finish(self) -> None:
         """Wait until every figure is written; a failure is raised here, with the child's last line."""
-        # Said, not signalled by closing the pipe: DataLoader workers forked since hold its write end open.
-        self._send({"done": True})
-        with contextlib.suppress(BrokenPipeError):  # it had already stopped: its status and error say why
-            self._child.stdin.close()
-        if self._child.wait() != 0:
-            self._stderr.seek(0)
-            lines = self._stderr.read().strip().splitlines() or [f"exit status {self._child.returncode}"]
-            raise RuntimeError(f"drawing the run's figures failed: {lines[-1]}")
+        for child in self._children.values():  # both told first: they finish their figures at the same time
+            child.send({"done": True})
+        for child in self._children.values():
+            child.wait()
 
-    def _send(self, message: dict) -> None:
-        with contextlib.suppress(BrokenPipeError):  # the child stopped: finish() reports why
-            self._child.stdin.write(json.dumps(message) + "\n")
-            self._child.stdin.flush()
+
+class _Child:
+    """One drawing process: its stdin takes the messages, its stderr is kept for the error line."""
+
+    def __init__(self, env: dict):
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read in wait(), closed with the object
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "vit_recipes.figures"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=self._stderr, text=True, env=env,
+        )  # fmt: skip
+
+    def send(self, message: dict) -> None:
+        # "done" is said, not signalled by closing the pipe: DataLoader workers forked since hold its write end open.
+        with contextlib.suppress(BrokenPipeError):  # it had stopped: wait() reports why
+            self._process.stdin.write(json.dumps(message) + "\n")
+            self._process.stdin.flush()
+
+    def wait(self) -> None:
+        with contextlib.suppress(BrokenPipeError):  # it had already stopped: its status and error say why
+            self._process.stdin.close()
+        if self._process.wait() != 0:
+            self._stderr.seek(0)
+            lines = self._stderr.read().strip().splitlines() or [f"exit status {self._process.returncode}"]
+            raise RuntimeError(f"drawing the run's figures failed: {lines[-1]}")
 
 
 def main() -> None:
