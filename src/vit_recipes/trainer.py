@@ -62,7 +62,7 @@ class ImageClassificationTrainer(
                         metric_key_prefix="eval"):  # fmt: skip
         # Extends: Trainer.evaluate keeps only the metrics of the loop's output and drops its predictions. Ours keeps
         # the latest loop's, so that the final reports reuse the evaluation at the last step (steps.evaluate) instead
-        # of a second pass over validation (~20 s on ImageNet's 50k images). Logits and labels on rank 0, which
+        # of a second pass over validation (a whole evaluation). Logits and labels on rank 0, which
         # writes the reports; the other ranks keep where and when, to decide as rank 0 does (predict is collective).
         self.last_evaluation = None  # the previous loop's arrays go before this one gathers its own
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
