@@ -680,6 +680,11 @@ def test_wall_clock_runs_the_photos_job_on_a_folder_it_writes(cifar_like, tiny_v
                         "--output_dir", str(tmp_path / "o"), "--report_to", "none", "--max_steps", "200"]  # fmt: skip
     once = wall_clock.argv_of(plan["photos200-ours-once-cold"], assets, tmp_path / "o", folder)
     assert once == [*ours, "--decode_images", "once"]
+    epoch = wall_clock.argv_of(plan["photos-epoch-ours-cold"], assets, tmp_path / "o", folder)
+    assert epoch == [*ours[:-2], "--num_train_epochs", "1"]  # the same folder and recipe, one whole epoch
+    peer_epoch = wall_clock.argv_of(plan["photos-epoch-peer-w16-cold"], assets, tmp_path / "p", folder)
+    assert f"{folder}/train" in peer_epoch and peer_epoch[-2:] == ["--do_eval", "true"]
+    assert "--num_train_epochs" in peer_epoch and "--max_steps" not in peer_epoch
     runs = "photos200-peer-w16-cold,photos200-ours-once-cold"  # tiny steps: --extra's arguments come last and win
     extra = "--use_cpu true --bf16 false --dataloader_num_workers 0 --max_steps 2 --per_device_train_batch_size 4"
     argv = [sys.executable, "-m", "benchmarks.wall_clock", "--assets", str(assets), "--out", str(out), "--work",
