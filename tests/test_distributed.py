@@ -404,6 +404,19 @@ def test_launched_run_is_what_it_says_and_matches_one_process(
     assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
 
 
+@pytest.mark.slow
+def test_final_validation_reuses_the_last_steps_evaluation_on_every_rank(ten_classes, same_head_vit, tmp_path):
+    """No test split, an evaluation at the epoch's end (the last step): the final metrics and reports reuse it on both
+    ZeRO-3 ranks (parameters sharded: had one rank predicted again alone, the run would hang), and say so."""
+    out = tmp_path / "reused"
+    extra = ("--deepspeed", "ds_configs/zero3.json", "--per_device_train_batch_size", 4, "--eval_strategy", "epoch",
+             "--log_level", "info")  # fmt: skip
+    result = launch("reused", deepspeed() + run_args(ten_classes, same_head_vit, out, *extra))
+    assert "Final validation metrics and reports reuse the evaluation at step" in result.stdout + result.stderr
+    assert (out / "per_class_accuracy_validation.csv").is_file()
+    assert json.loads((out / "eval_results.json").read_text())["eval_accuracy"] >= 0
+
+
 @pytest.fixture(scope="module")
 def zero2_run(launched) -> Path:
     return launched(ZERO2)
