@@ -133,6 +133,7 @@ class Suite:
         self.work, self.assets = Path(args.work), Path(args.work) / "assets"
         self.procs = gpus  # processes of a multi-process run: every GPU (CPU: 2)
         self.jobs: dict[str, Job] = {}
+        self.running: dict = {}  # name -> (process, start time, GPUs placed on), while run() runs
         self.python = sys.executable
         self.t0 = time.time()
 
@@ -331,7 +332,7 @@ class Suite:
     # --------------------------------------------------------------------------------------------------- run
     def run(self) -> None:
         pending = dict(self.jobs)
-        self.running = running = {}  # name -> (process, start time, GPUs placed on)
+        running = self.running
         load = [0] * max(self.gpus, 1)
         capacity = self.args.per_gpu if not self.cpu else 1
         while pending or running:
@@ -365,6 +366,7 @@ class Suite:
                         load[g] -= 1
                     del running[name]
                     self.log(f"{name}: exit {job.result['exit']} in {job.result['seconds']}s")
+                    self.trim_finished(pending)
             for name, job in list(pending.items()):
                 if self.over_budget():
                     job.result.update(exit="not run", reason=f"the {self.args.budget} s budget ran out")
@@ -385,6 +387,15 @@ class Suite:
                 running[name] = (self.start(job, placed), time.time(), placed)
                 del pending[name]
             time.sleep(0.1)
+
+    def trim_finished(self, pending: dict) -> None:
+        """Trim the checkpoints of each passed run that no job left resumes in or copies from (trim_checkpoints): the
+        ~40 runs of every part, their checkpoints kept to the end, filled a 128 GB disk in one call."""
+        left = [self.jobs[n] for n in [*pending, *self.running]]
+        busy = {job.output for job in left} | {job.seed_from for job in left}
+        for job in self.jobs.values():
+            if job.output and job.output not in busy and job.result.get("exit") == 0 and "trimmed" not in job.result:
+                job.result["trimmed"] = trim_checkpoints(job.output)
 
     def over_budget(self) -> bool:
         return self.args.budget is not None and time.time() - self.t0 > self.args.budget
@@ -970,6 +981,17 @@ def importable(name: str) -> bool:
         return False
 
 
+def trim_checkpoints(output: Path) -> int:
+    """Remove all but the JSON files of a run's `checkpoint-*` folders (weights, optimizer and RNG states); the
+    checks read only the folders' names and their JSON (run_identity.json, adapter_config.json). Returns the bytes
+    freed."""
+    files = [f for f in output.glob("checkpoint-*/**/*") if f.is_file() and f.suffix != ".json"]
+    freed = sum(f.stat().st_size for f in files)
+    for f in files:
+        f.unlink(missing_ok=True)
+    return freed
+
+
 def drop_checkpoints(work: Path) -> int:
     """Remove the runs' `checkpoint-*` folders under `work` (final models, logs, trainer states and assets stay: the
     record's chart reads those); returns the bytes freed."""
@@ -1040,8 +1062,9 @@ def main() -> int:
         print(f"{r['status']:4}  {r['check']}: {r['detail']}")
     suite.log(f"{len(rows) - len(failed)} of {len(rows)} checks pass or skip; record: {record}/acceptance.md")
     if not failed:  # a failure's checkpoints stay for a look; a pass's filled a 128 GB disk for the next call there
-        freed = drop_checkpoints(suite.work)
-        suite.log(f"removed the runs' checkpoints from {suite.work}: {freed / 2**30:.1f} GiB (final models stay)")
+        freed, trimmed = drop_checkpoints(suite.work), sum(j.result.get("trimmed", 0) for j in suite.jobs.values())
+        suite.log(f"removed the runs' checkpoints from {suite.work}: {(freed + trimmed) / 2**30:.1f} GiB, "
+                  f"{trimmed / 2**30:.1f} of them as their runs ended (final models stay)")  # fmt: skip
     return 1 if failed else 0
 
 

@@ -242,6 +242,25 @@ def test_a_passing_suite_drops_the_runs_checkpoints_and_keeps_what_its_chart_rea
     assert left == ["assets/checkpoint-1/weights", "zero2/model.safetensors", "zero2/trainer_state.json"]
 
 
+def test_a_passed_runs_checkpoints_are_trimmed_once_no_job_left_resumes_from_them(acceptance, tmp_path):
+    """Every part in one call: a run's weights in its checkpoints go as soon as no pending or running job resumes in
+    its folder or copies its checkpoint; their JSON stays for the checks."""
+    suite = suite_for(acceptance, 2, tmp_path, parts=["resume"])
+    base, seeded = suite.jobs["zero2"], suite.jobs["to1-zero2"]
+    assert seeded.seed_from == base.output
+    for name in ("checkpoint-10/model.safetensors", "checkpoint-10/global_step10/optim.pt", "checkpoint-10/latest",
+                 "checkpoint-10/run_identity.json", "model.safetensors"):  # fmt: skip
+        (base.output / name).parent.mkdir(parents=True, exist_ok=True)
+        (base.output / name).write_bytes(b"0" * 10)
+    base.result["exit"] = 0
+    pending = {name: job for name, job in suite.jobs.items() if name != "zero2"}
+    suite.trim_finished(pending)  # to1-zero2 will copy checkpoint-10: kept whole
+    assert (base.output / "checkpoint-10/model.safetensors").is_file() and "trimmed" not in base.result
+    suite.trim_finished({})  # nothing left to run
+    left = sorted(p.relative_to(base.output).as_posix() for p in base.output.rglob("*") if p.is_file())
+    assert left == ["checkpoint-10/run_identity.json", "model.safetensors"] and base.result["trimmed"] == 30
+
+
 def test_the_zero3_command_as_typed_passes_when_the_gpus_train_and_fails_on_the_launchers_report(acceptance, tmp_path):
     """vith-as-typed on 2 GPUs: the run that trains on them and says so passes; the old outcome (our refusal, then
     accelerate's ChildFailedError) fails, as does a run without the line."""
