@@ -411,7 +411,7 @@ def test_final_validation_reuses_the_last_steps_evaluation_on_every_rank(ten_cla
     out = tmp_path / "reused"
     extra = ("--deepspeed", "ds_configs/zero3.json", "--per_device_train_batch_size", 4, "--eval_strategy", "epoch",
              "--log_level", "info")  # fmt: skip
-    result = launch("reused", deepspeed() + run_args(ten_classes, same_head_vit, out, *extra))
+    result = launch("reused", deepspeed() + run_args(ten_classes, same_head_vit, out, *extra, steps=4))
     assert "Final validation metrics and reports reuse the evaluation at step" in result.stdout + result.stderr
     assert (out / "per_class_accuracy_validation.csv").is_file()
     assert json.loads((out / "eval_results.json").read_text())["eval_accuracy"] >= 0
