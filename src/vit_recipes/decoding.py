@@ -27,7 +27,7 @@ from datasets.fingerprint import Hasher
 
 from .data import LABELS, PIXELS, ImageSplits
 from .errors import RecipeError
-from .images import decode_to_chw, probe, white_level
+from .images import decode_to_chw, image_path, probe, stored_size, white_level
 from .launch import env_int
 from .streaming import is_stream
 
@@ -81,15 +81,6 @@ def storage_format(split: Dataset, image_column: str, image_size: int, storage_s
             return StorageFormat((height, width), white, native=True, sampled=common, source_bytes=source)
     side = storage_size or round(image_size / 0.875)
     return StorageFormat((side, side), white, sampled=common, source_bytes=source)
-
-
-def stored_size(value) -> int | None:
-    """Bytes an image takes as stored: its encoded bytes, or its file's size."""
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return len(value)
-    return os.path.getsize(value) if isinstance(value, str) and os.path.isfile(value) else None
 
 
 MAX_GROWTH = 2.0  # auto decodes once while a decoded image is at most this many times its stored size
@@ -149,7 +140,7 @@ def check_cache_room(folder: Path, needed: int) -> None:
         )
 
 
-def _decode_batch(batch, image_column: str, height: int, width: int, white: float, draft: bool = True):
+def _decode_batch(batch, image_column: str, height: int, width: int, white: float):
     pixels, problems = [], []
     for value in batch[image_column]:
         try:
@@ -232,7 +223,7 @@ def decode_datasets(
             logger.warning(notes[-1])
         bad = [i for i, problem in enumerate(problems) if problem in ("not found", "unreadable")]
         values = dataset.select(bad)[image_column] if bad else []
-        paths = [value.get("path") if isinstance(value, dict) else None for value in values]
+        paths = [image_path(value) for value in values]
         if lost := [{"row": row, "image": path, "problem": problems[row]} for row, path in zip(bad, paths)]:
             listed = [f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in lost]
             more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
@@ -332,7 +323,7 @@ class DecodingCollator:
         lost = []
         for i, problem in bad:
             value = rows[i][self.image_column]
-            lost.append({"image": value.get("path") if isinstance(value, dict) else None, "problem": problem})
+            lost.append({"image": image_path(value), "problem": problem})
             logger.warning("Unreadable image %s (%s): replaced in its batch by a copy of another", lost[-1]["image"],
                            problem)  # fmt: skip
         if self.record:
@@ -378,7 +369,7 @@ def note_skipped_during_run(splits: ImageSplits, output_dir: str) -> ImageSplits
         return splits
     notes, skipped, left = list(splits.notes), dict(splits.skipped), {item["image"]: item for item in lost}
     for name, split in splits.present().items():
-        paths = [v.get("path") if isinstance(v, dict) else None for v in split[splits.image_column]]
+        paths = [image_path(v) for v in split[splits.image_column]]
         if found := [left.pop(path) for path in paths if path in left]:
             skipped[name] = skipped.get(name, []) + found
             notes.append(f"{name}: {len(found)} unreadable image(s) replaced in their batch by another of it")

@@ -2,6 +2,7 @@
 
 import io
 import math
+import os
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -15,6 +16,19 @@ def _file(value):
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     return io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value
+
+
+def image_path(value) -> str | None:
+    """The file a datasets Image value points at (None for an image stored as bytes)."""
+    return value.get("path") if isinstance(value, dict) else None
+
+
+def stored_size(value) -> int | None:
+    """Bytes an image takes as stored: its encoded bytes, or its file's size."""
+    source = _file(value)
+    if isinstance(source, io.BytesIO):
+        return source.getbuffer().nbytes
+    return os.path.getsize(source) if isinstance(source, str) and os.path.isfile(source) else None
 
 
 def white_level(peak: float) -> float:
