@@ -4,6 +4,7 @@ run is test_script.py's end-to-end test."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -40,8 +41,8 @@ class Recorded:
     def __init__(self, mixer):
         self.mixer, self.pixels, self.targets = mixer, None, None
 
-    def __call__(self, pixels, labels):
-        self.pixels, self.targets = self.mixer(pixels, labels)
+    def __call__(self, pixels, labels, randomness=None):
+        self.pixels, self.targets = self.mixer(pixels, labels, randomness)
         return self.pixels, self.targets
 
 
@@ -72,7 +73,7 @@ def test_class_weights_weight_the_soft_targets_of_mixup_and_cutmix(tmp_path, mix
     alphas = (0.8, 0.0) if mix == "mixup" else (0.0, 1.0)
     mixer = Recorded(MixupCutmix(*alphas, num_classes=NUM_LABELS))
     weighted = trainer(tmp_path, model, mixup=mixer, class_weights=WEIGHTS)
-    torch.manual_seed(1)  # the mixer draws its lam (and cutmix its box) from torch's generator
+    random.seed(1)  # outside a training step the mixer draws its lam (and cutmix its box) from Python's generator
     with torch.no_grad():
         loss = weighted.compute_loss(model, batch())
         log_p = F.log_softmax(model(pixel_values=mixer.pixels).logits, dim=-1)

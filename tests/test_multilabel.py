@@ -124,8 +124,8 @@ def test_collator_and_mixup_carry_multi_hot_targets(digit_mosaics):
     labels = batch["labels"]
     assert batch["pixel_values"].shape == (6, 3, 16, 16) and labels.dtype == torch.float32 and labels.shape == (6, 10)
     pixels, flipped = batch["pixel_values"].float(), batch["pixel_values"].float().flip(0)
-    torch.manual_seed(0)
-    mixed, targets = T.MixupCutmix(mixup_alpha=0.8, cutmix_alpha=0.0, num_classes=10)(pixels, labels)
+    randomness = T.Randomness.for_batch(0, 0, 0, 0, "cpu")
+    mixed, targets = T.MixupCutmix(mixup_alpha=0.8, cutmix_alpha=0.0, num_classes=10)(pixels, labels, randomness)
     lam = float(((mixed - flipped) * (pixels - flipped)).sum() / ((pixels - flipped) ** 2).sum())  # least squares
     assert 0 < lam < 1 and not torch.equal(labels, labels.flip(0))
     torch.testing.assert_close(targets, lam * labels + (1 - lam) * labels.flip(0))

@@ -141,6 +141,49 @@ def test_crop_samples_inside_the_box_and_flips():
     assert torch.all(rows.amax(1) - rows.amin(1) > 0)
 
 
+@pytest.mark.parametrize("name, magnitude", [("ShearX", 0.3), ("ShearY", -0.25), ("TranslateX", 7.6),
+                                             ("TranslateY", -5.0), ("Rotate", 30.0), ("Rotate", -135.0)])  # fmt: skip
+def test_crop_and_warp_is_the_crop_then_the_op_in_one_pass(name, magnitude):
+    """On linear ramps bilinear sampling is exact: one pass must equal the crop's pass then the op's wherever the op
+    samples inside the crop, and both be black where it samples a pixel or more outside."""
+    rows, cols = torch.meshgrid(torch.arange(48.0), torch.arange(64.0), indexing="ij")
+    ramps = torch.stack([2 * rows + cols, 200 - 2 * cols, 3 * rows]).expand(2, 3, 48, 64)
+    crop = torch.tensor([[[-0.6, 0, 0.2], [0, 0.5, -0.3]], [[0.7, 0, -0.1], [0, 0.8, 0.1]]])  # the first flipped
+    m, size = torch.full((2,), magnitude), 32
+    warp = T.warp_theta(name, m, size)
+    one_pass = T.crop_and_warp(ramps, crop, warp, size).permute(0, 2, 3, 1)
+    two_passes = T.OPS[name](T.resample(ramps, crop, size, "border"), m).permute(0, 2, 3, 1)
+    at = (T.affine_grid(warp, size) + 1) * size / 2 - 0.5  # where each output pixel samples the crop, in pixels
+    inside, outside = ((at >= 0) & (at <= size - 1)).all(-1), ((at <= -1) | (at >= size)).any(-1)
+    assert inside.float().mean() > 0.3 and outside.any()
+    torch.testing.assert_close(one_pass[inside], two_passes[inside], atol=1e-3, rtol=1e-5)
+    assert torch.all(one_pass[outside] == 0) and torch.all(two_passes[outside] == 0)
+
+
+def test_the_first_rounds_geometric_ops_join_the_crop():
+    """TrivialAugment as trained (one pass for crop and warp) against the crop then each sample's op: equal on
+    linear ramps wherever neither black fill nor the source's clamped edge is near."""
+    rows, cols = torch.meshgrid(torch.arange(40.0), torch.arange(40.0), indexing="ij")
+    pixels = torch.stack([3 * rows + 2 * cols, 120 + cols, 2 * rows + 10]).to(torch.uint8).expand(64, 3, 40, 40)
+    train, _ = T.build_transforms(aug_args(auto_augment="trivialaugment", crop_scale_min=0.5), 32, 0.0, 1.0)
+    out = train(pixels, drawn()) * 255
+    rng = drawn()  # the same draws, in the same order: the crops (device), then the ops (host)
+    crop = T.sample_crop_flip_theta(64, 40, 40, (0.5, 1.0), 0.5, generator=rng.device)
+    op_ids, magnitudes = train.random_ops.sample(64, rng.host)
+    expected = T.apply_per_sample_ops(T.resample(pixels.float(), crop, 32, "border"), op_ids, magnitudes,
+                                      train.random_ops.names)  # fmt: skip
+    warp, _ = train.random_ops.take_warps(op_ids, magnitudes)
+    warped = (warp != torch.eye(2, 3)).flatten(1).any(1)
+    assert warped.sum() >= 10 and (~warped).sum() >= 10
+    at = T.affine_grid(warp, 32)  # where each output pixel samples the crop
+    inside = (((at + 1) * 16 - 0.5 >= 0) & ((at + 1) * 16 - 0.5 <= 31)).all(-1)  # in pixels: no fill involved
+    source = (at * crop.diagonal(dim1=1, dim2=2)[:, None, None] + crop[:, None, None, :, 2] + 1) * 20 - 0.5
+    unclamped = ((source >= 1.5) & (source <= 37.5)).all(-1)  # in source pixels: clear of its clamped edge
+    compare = (inside & unclamped).unsqueeze(1).expand_as(out)
+    assert compare[warped].float().mean() > 0.3
+    torch.testing.assert_close(out[compare], expected[compare], atol=0.05, rtol=1e-4)
+
+
 # --------------------------------------------------------------------------------------------------- ops vs PIL
 
 
@@ -343,10 +386,52 @@ def test_train_transform_and_mixup_never_sync_the_device(policy):
     mixup(transform(pixels), labels)  # first calls: lazy CUDA initialisation may sync
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):  # several draws: every op of the policy gets its turn
+        for step in range(3):  # several draws: every op of the policy gets its turn; global RNGs, then per batch
             mixup(transform(pixels), labels)
+            randomness = drawn(step=step, device="cuda")  # as the trainer draws: a CUDA generator per batch
+            mixup(transform(pixels, randomness), labels, randomness)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_train_draws_are_keyed_by_seed_rank_step_and_micro_batch():
+    """Every rank augments its batch differently (the Trainer seeds all ranks alike), and the same key draws the same
+    augmentation whatever the global RNGs did: a resumed run needs no RNG state to redraw it."""
+    train, _ = T.build_transforms(aug_args(auto_augment="trivialaugment", random_erasing=0.5), 32, MEAN, STD)
+    pixels = random_pixels(16, 40, 40)
+    base = train(pixels, drawn())
+    torch.manual_seed(123)
+    assert torch.equal(train(pixels, drawn()), base)
+    for other in (drawn(seed=1), drawn(rank=1), drawn(step=1), drawn(micro_batch=1)):
+        assert ((train(pixels, other) - base).abs().amax((1, 2, 3)) > 1e-3).all()  # every image: its own crop
+
+
+def test_each_training_batch_gets_the_randomness_of_its_rank_step_and_micro_batch():
+    from vit_recipes.batches import DeviceBatches
+
+    class Trainer:  # what DeviceBatches reads of the Trainer; its training_step hands back the batch's randomness
+        def __init__(self, rank):
+            self.args = SimpleNamespace(seed=42, process_index=rank, device=torch.device("cpu"))
+            self.state = SimpleNamespace(global_step=0)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return torch.rand(3, generator=self.randomness.host).tolist()
+
+    class Batches(DeviceBatches, Trainer):
+        pass
+
+    def draws(rank, first_step=0, steps=2, accumulation=2):
+        trainer = Batches(rank)
+        out = []
+        for step in range(first_step, steps):
+            trainer.state.global_step = step
+            out += [trainer.training_step(None, {}) for _ in range(accumulation)]
+        return out
+
+    run = draws(rank=0)
+    assert len({tuple(d) for d in run}) == 4  # each micro-batch of each step its own draws
+    assert draws(rank=0, first_step=1) == run[2:]  # resumed at step 1: the same draws, from a fresh trainer
+    assert not {tuple(d) for d in draws(rank=1)} & {tuple(d) for d in run}  # rank 1 draws its own
 
 
 def test_random_ops_sample_ops_uniformly_with_signs():
@@ -415,11 +500,15 @@ def test_build_mixup():
     assert (mix.mixup_alpha, mix.cutmix_alpha, mix.num_classes, mix.label_smoothing) == (0.8, 1.0, 10, 0.1)
 
 
+def drawn(seed=0, rank=0, step=0, micro_batch=0, device="cpu"):
+    """A training batch's randomness, as the trainer makes it (batches.DeviceBatches.training_step)."""
+    return T.Randomness.for_batch(seed, rank, step, micro_batch, device)
+
+
 def test_mixup_mixes_pixels_and_targets_with_the_same_lam():
-    torch.manual_seed(0)
     mix = T.MixupCutmix(mixup_alpha=0.8, cutmix_alpha=0.0, num_classes=6)
     pixels, labels = constant_images(6), torch.arange(6)
-    out, targets = mix(pixels, labels)
+    out, targets = mix(pixels, labels, drawn())
     assert out.shape == pixels.shape and targets.shape == (6, 6) and targets.dtype == torch.float32
     lam = targets[0, 0].item()
     assert 0 < lam < 1
@@ -429,9 +518,8 @@ def test_mixup_mixes_pixels_and_targets_with_the_same_lam():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_cutmix_lam_is_the_kept_pixel_fraction(seed):
-    torch.manual_seed(seed)
     mix = T.MixupCutmix(mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=4)
-    out, targets = mix(constant_images(4, size=20), torch.arange(4))
+    out, targets = mix(constant_images(4, size=20), torch.arange(4), drawn(seed))
     torch.testing.assert_close(targets.sum(1), torch.ones(4))
     for i in range(4):
         own = (out[i] == i).float().mean().item()
@@ -441,21 +529,21 @@ def test_cutmix_lam_is_the_kept_pixel_fraction(seed):
 
 
 def test_label_smoothing_values():
-    torch.manual_seed(0)
     mix = T.MixupCutmix(mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=10, label_smoothing=0.1)
-    _, targets = mix(torch.rand(4, 3, 8, 8), torch.full((4,), 3))  # same class: mixing cannot blur the targets
+    same_class = torch.full((4,), 3)  # mixing cannot blur the targets
+    _, targets = mix(torch.rand(4, 3, 8, 8), same_class, drawn())
     expected = torch.full((4, 10), 0.01)
     expected[:, 3] = 0.91
     torch.testing.assert_close(targets, expected)
 
 
-def test_mixup_and_cutmix_are_both_chosen_and_seeded():
+def test_mixup_and_cutmix_are_both_chosen_and_seeded_per_batch():
     mix = T.MixupCutmix(mixup_alpha=1.0, cutmix_alpha=1.0, num_classes=4)
     pixels, labels = constant_images(4, size=8), torch.arange(4)
-    torch.manual_seed(0)
-    runs = [mix(pixels, labels) for _ in range(200)]
+    runs = [mix(pixels, labels, drawn(step=step)) for step in range(200)]
     cutmix_runs = sum(set(out[0].unique().tolist()) <= {0.0, 3.0} for out, _ in runs)
     assert 60 < cutmix_runs < 140
-    torch.manual_seed(0)
-    again = mix(pixels, labels)
+    again = mix(pixels, labels, drawn(step=0))
     assert torch.equal(again[0], runs[0][0]) and torch.equal(again[1], runs[0][1])
+    lams = {float(mix(pixels, labels, drawn(rank=rank))[1][0].max()) for rank in range(4)}
+    assert len(lams) == 4  # each rank mixes with its own lam

@@ -11,6 +11,7 @@ from torch.utils.data import WeightedRandomSampler
 
 from .interrupt import worker_ignores_stop_signals
 from .swap import swapped
+from .transforms import Randomness
 
 WORKER_NICENESS = 10  # added to a DataLoader worker's nice value: well below the main process, still scheduled
 
@@ -44,6 +45,8 @@ class DeviceBatches:
         self.train_transform = train_transform.to(self.args.device) if train_transform is not None else None
         self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
         self._training_batch = False  # set per batch: under regional compilation self.model stays in eval mode
+        self.randomness: Randomness | None = None  # a training batch's draws: its transform's, mixup's (loss.py)
+        self._micro_batch = (-1, 0)  # (global step, micro-batch index within it): with the rank, the draws' key
 
     def _get_dataloader(self, *args, is_training=False, **kwargs):
         # Replaces: the Trainer drops short last batches from every loader when asked. Ours drops them (for
@@ -75,7 +78,13 @@ class DeviceBatches:
         return batches
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        # Adds: the batch's random draws, keyed by (seed, rank, step, micro-batch) (transforms.Randomness): each rank
+        # augments differently (the Trainer seeds every rank alike), and a resumed run draws as the uninterrupted one.
         self._training_batch = True  # _prepare_inputs augments: model.training cannot tell (see __init__)
+        step, micro = self._micro_batch
+        self._micro_batch = (step, micro + 1) if step == self.state.global_step else (self.state.global_step, 0)
+        t = self.args
+        self.randomness = Randomness.for_batch(t.seed, t.process_index, *self._micro_batch, t.device)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -89,7 +98,7 @@ class DeviceBatches:
         if pixels is not None and pixels.dtype == torch.uint8:
             transform = self.train_transform if self._training_batch else self.eval_transform
             with record_function("augment"):
-                pixels = transform(pixels)
+                pixels = transform(pixels, self.randomness) if self._training_batch else transform(pixels)
             if self.is_deepspeed_enabled:  # its bf16/fp16 mode: 16-bit weights, no autocast (torch_autocast: fp32)
                 pixels = pixels.to(self.accelerator.state.deepspeed_plugin.hf_ds_config.dtype())
             inputs["pixel_values"] = pixels

@@ -26,7 +26,9 @@ class ClassificationLoss:
         model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
         targets = None
         if labels is not None and model.training and self.mixup is not None:
-            model_inputs["pixel_values"], targets = self.mixup(model_inputs["pixel_values"], labels)
+            # the batch's draws (batches.DeviceBatches.training_step): ranks mix differently, resumes redraw alike
+            randomness = getattr(self, "randomness", None)
+            model_inputs["pixel_values"], targets = self.mixup(model_inputs["pixel_values"], labels, randomness)
         with record_function("forward"):
             outputs = model(**model_inputs)
             logits = outputs["logits"].float()

@@ -1,11 +1,15 @@
 """Batched image transforms on the training device: uint8 (B, 3, H, W) at storage size -> normalised (B, 3, S, S).
 Train: random-resized crop and flip in one bilinear `grid_sample` (no antialiasing: storage is at most ~1.14x the model
 size, crops only enlarge), then optional RandAugment/TrivialAugmentWide with torchvision's ops and magnitudes (geometric
-ops bilinear, black fill; torchvision: nearest), from torch's global RNGs (crops on the device, ops on the CPU), with
-no device sync: the CPU launches the step's kernels ahead of the GPU. Eval matches the saved PIL bicubic image
-processor within 1-2 levels (antialiased bicubic in two passes rounded to uint8), so scores carry over."""
+ops bilinear, black fill; torchvision: nearest; the first round's geometric op shares the crop's one resampling pass),
+with no device sync: the CPU launches the step's kernels ahead of the GPU. Random draws come from a `Randomness` per
+batch (crops on the device, ops on the CPU), or torch's global RNGs when none is given. Eval matches the saved PIL
+bicubic image processor within 1-2 levels (antialiased bicubic in two passes rounded to uint8), so scores carry over."""
 
+import dataclasses
+import hashlib
 import math
+import random
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,6 +19,29 @@ from torch import Tensor, nn
 NUM_MAGNITUDE_BINS = 31  # torchvision's RandAugment/TrivialAugmentWide default: magnitudes 0..30
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
 CROP_RATIO, CROP_ATTEMPTS = (3 / 4, 4 / 3), 10  # torchvision RandomResizedCrop's defaults
+
+
+@dataclasses.dataclass
+class Randomness:
+    """Where one training batch's augmentation draws from; the defaults are torch's and Python's global RNGs.
+
+    The Trainer seeds every rank alike, so global RNGs give image i of every rank's batch the same crop, flip, op and
+    mixup draw. `for_batch` seeds per (seed, rank, step, micro-batch) instead: ranks differ, and a resumed run redraws
+    what the uninterrupted one drew with no RNG state to restore. (Seeding the global RNGs with seed + rank, as
+    accelerate's `set_seed(device_specific=True)` does, would also move accelerate's seedable sampler, whose ranks
+    must draw the same permutation.)"""
+
+    host: torch.Generator | None = None  # the CPU's draws: RandAugment/TrivialAugment's ops, bins and signs
+    device: torch.Generator | None = None  # the batch device's draws: crops, flips, erasing boxes and noise
+    python: random.Random = random  # mixup's few scalars (Beta has no torch generator argument)
+
+    @classmethod
+    def for_batch(cls, seed: int, rank: int, step: int, micro_batch: int, device) -> "Randomness":
+        key = hashlib.blake2b(f"{seed}/{rank}/{step}/{micro_batch}".encode(), digest_size=8).digest()
+        number = int.from_bytes(key, "little") >> 1  # < 2**63: any generator's seed
+        host = torch.Generator().manual_seed(number)
+        on_device = host if torch.device(device).type == "cpu" else torch.Generator(device).manual_seed(number)
+        return cls(host, on_device, random.Random(number))
 
 
 class _Normalized(nn.Module):
@@ -31,10 +58,10 @@ class _Normalized(nn.Module):
 
 
 def sample_crop_flip_theta(
-    batch: int, height: int, width: int, scale: tuple[float, float], hflip_prob: float, device="cpu"
+    batch: int, height: int, width: int, scale: tuple[float, float], hflip_prob: float, device="cpu", generator=None
 ) -> Tensor:
     """`affine_grid` thetas (B, 2, 3): torchvision's RandomResizedCrop sampling and a flip, batched, per sample."""
-    u = torch.rand(batch, 2 * CROP_ATTEMPTS + 3, device=device)  # one RNG call for everything
+    u = torch.rand(batch, 2 * CROP_ATTEMPTS + 3, device=device, generator=generator)  # one RNG call for everything
     u_area, u_aspect, (u_x, u_y, u_flip) = u[:, :CROP_ATTEMPTS], u[:, CROP_ATTEMPTS:-3], u[:, -3:].unbind(1)
     if scale[0] >= 1:
         w, h = (torch.full((batch,), float(side), device=device) for side in (width, height))
@@ -72,17 +99,45 @@ def resample(x: Tensor, theta: Tensor, size: int, padding_mode: str) -> Tensor:
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=padding_mode, align_corners=False)
 
 
-def _warp(x: Tensor, m: Tensor, a, b, c, d, tx, ty) -> Tensor:
-    """Sample x at [[a, b], [c, d]] @ p + (tx, ty) per output pixel p (from the centre; numbers or tensors like m)."""
-    half = x.shape[-1] / 2  # square images: normalised coords are pixels / half on both axes
+# The geometric ops as torchvision's inverse maps about the image centre: output pixel p (in pixels from the centre)
+# samples [[a, b], [c, d]] @ p + (tx, ty). m: the magnitudes (a tensor), s: the image's side.
+WARPS: dict[str, Callable[[Tensor, int], tuple]] = {
+    "ShearX": lambda m, s: (1, m, 0, 1, m * s / 2, 0),  # x_in = x + m * (y - top)
+    "ShearY": lambda m, s: (1, 0, m, 1, 0, m * s / 2),  # y_in = y + m * (x - left)
+    "TranslateX": lambda m, s: (1, 0, 0, 1, -m.trunc(), 0),  # torchvision shifts by int(m) pixels
+    "TranslateY": lambda m, s: (1, 0, 0, 1, 0, -m.trunc()),
+    "Rotate": lambda m, s: _rotation(torch.deg2rad(m)),  # counter-clockwise
+}
+
+
+def _rotation(radians: Tensor) -> tuple:
+    cos, sin = radians.cos(), radians.sin()
+    return cos, -sin, sin, cos, 0, 0
+
+
+def warp_theta(name: str, m: Tensor, size: int) -> Tensor:
+    """The `affine_grid` thetas (n, 2, 3) of geometric op `name` at magnitudes m on square images of side `size`."""
+    a, b, c, d, tx, ty = WARPS[name](m, size)
+    half = size / 2  # square images: normalised coords are pixels / half on both axes
     zero = torch.zeros_like(m)
-    theta = torch.stack([zero + v for v in (a, b, tx / half, c, d, ty / half)], 1).view(-1, 2, 3)
-    return resample(x, theta, x.shape[-1], padding_mode="zeros")
+    return torch.stack([zero + v for v in (a, b, tx / half, c, d, ty / half)], 1).view(-1, 2, 3)
 
 
-def rotate(x: Tensor, degrees: Tensor) -> Tensor:
-    cos, sin = torch.deg2rad(degrees).cos(), torch.deg2rad(degrees).sin()
-    return _warp(x, degrees, cos, -sin, sin, cos, 0, 0)
+def _warp(name: str) -> Callable[[Tensor, Tensor], Tensor]:
+    return lambda x, m: resample(x, warp_theta(name, m, x.shape[-1]), x.shape[-1], padding_mode="zeros")
+
+
+def crop_and_warp(x: Tensor, crop: Tensor, warp: Tensor, size: int) -> Tensor:
+    """The crop and flip (`crop`, diagonal thetas), then a geometric op per sample (`warp` thetas, identity where none)
+    in one bilinear pass: each output pixel's place q in the cropped image is mapped on into the source. Pixels whose
+    q falls outside the crop are black, weighted as zero padding would (1 inside, down to 0 a pixel beyond the edge).
+    Resampling once, not twice, also spares the image a second interpolation's blur."""
+    q = affine_grid(warp.to(x.dtype), size)  # (B, S, S, 2)
+    scale, offset = crop[:, :, :2].diagonal(dim1=1, dim2=2), crop[:, :, 2]  # (B, 2) each; crops do not rotate
+    grid = torch.addcmul(offset.view(-1, 1, 1, 2).to(x.dtype), q, scale.view(-1, 1, 1, 2).to(x.dtype))
+    out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    inside = ((1 - q.abs()) * (size / 2) + 0.5).clamp(0, 1).prod(-1)  # per axis, the weight on in-bounds pixels
+    return out * inside.unsqueeze(1)
 
 
 def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
@@ -139,11 +194,7 @@ def equalize(x: Tensor, m: Tensor) -> Tensor:
 # (n, 3, S, S) floats in 0..255 and magnitudes m (n,) -> same shape; geometric ops use torchvision's inverse maps.
 OPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "Identity": lambda x, m: x,
-    "ShearX": lambda x, m: _warp(x, m, 1, m, 0, 1, m * x.shape[-1] / 2, 0),  # x_in = x + m * (y - top)
-    "ShearY": lambda x, m: _warp(x, m, 1, 0, m, 1, 0, m * x.shape[-1] / 2),  # y_in = y + m * (x - left)
-    "TranslateX": lambda x, m: _warp(x, m, 1, 0, 0, 1, -m.trunc(), 0),  # torchvision shifts by int(m) pixels
-    "TranslateY": lambda x, m: _warp(x, m, 1, 0, 0, 1, 0, -m.trunc()),
-    "Rotate": rotate,
+    **{name: _warp(name) for name in WARPS},  # ShearX, ShearY, TranslateX, TranslateY, Rotate
     "Brightness": lambda x, m: (x * (1 + m).view(-1, 1, 1, 1)).clamp(0, 255),
     "Color": lambda x, m: _blend(x, _grayscale(x), 1 + m),
     "Contrast": lambda x, m: _blend(x, _grayscale(x).mean((1, 2, 3), keepdim=True), 1 + m),
@@ -174,6 +225,13 @@ def augmentation_space(policy: str, image_size: int) -> dict[str, tuple[Tensor, 
     }
 
 
+def host_to_device(device, *tensors: Tensor) -> list[Tensor]:
+    """CPU tensors copied to `device` without the host waiting: pinned first, a pageable copy would block."""
+    if torch.device(device).type != "cuda":
+        return [t.to(device) for t in tensors]
+    return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+
+
 def apply_per_sample_ops(x: Tensor, op_ids: Tensor, magnitudes: Tensor, names: Sequence[str]) -> Tensor:
     """Op names[op_ids[i]] with magnitudes[i] on sample i: one batched call per op, on the samples that drew it.
 
@@ -183,10 +241,8 @@ def apply_per_sample_ops(x: Tensor, op_ids: Tensor, magnitudes: Tensor, names: S
     op_ids, magnitudes = op_ids.cpu(), magnitudes.cpu()
     order = torch.argsort(op_ids, stable=True)
     counts = torch.bincount(op_ids, minlength=len(names)).tolist()
-    if x.is_cuda:  # pinned: the copies below are truly asynchronous
-        order, magnitudes = order.pin_memory(), magnitudes.pin_memory()
-    device_order = order.to(x.device, non_blocking=True)
-    grouped, m = x[device_order], magnitudes.to(x.device, non_blocking=True)[device_order]
+    device_order, magnitudes = host_to_device(x.device, order, magnitudes)
+    grouped, m = x[device_order], magnitudes[device_order]
     parts, start = [], 0
     for name, count in zip(names, counts):
         if count:
@@ -200,38 +256,49 @@ def apply_per_sample_ops(x: Tensor, op_ids: Tensor, magnitudes: Tensor, names: S
 
 class RandomOps(nn.Module):
     """RandAugment (fixed magnitude bin, `num_ops` rounds) or TrivialAugmentWide (one op, uniform bin), per sample.
-    Ops, bins and signs are drawn from torch's global CPU RNG: a few hundred numbers, and the host needs the ops."""
+    Ops, bins and signs are drawn on the CPU: a few hundred numbers, and the host needs the ops."""
 
     def __init__(self, policy: str, image_size: int, num_ops: int = 2, magnitude: int = 9):
         super().__init__()  # policy and magnitude are checked with the arguments (arguments.validate_arguments)
         space = augmentation_space(policy, image_size)
-        self.names = list(space)
+        self.names, self.image_size = list(space), int(image_size)
         self.uniform_magnitude = policy == "trivialaugment"
         self.num_ops = 1 if self.uniform_magnitude else int(num_ops)
         self.magnitude = int(magnitude)
         self.table = torch.stack([m for m, _ in space.values()])  # CPU tensors: sampling happens there
         self.signed = torch.tensor([s for _, s in space.values()])
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
         for _ in range(self.num_ops):
-            x = apply_per_sample_ops(x, *self.sample(x.shape[0]), self.names)
+            x = apply_per_sample_ops(x, *self.sample(x.shape[0], generator), self.names)
         return x
 
-    def sample(self, batch: int) -> tuple[Tensor, Tensor]:
+    def sample(self, batch: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """Per sample (on the CPU): an op id, and its magnitude with a random sign for signed ops."""
-        op_ids = torch.randint(len(self.names), (batch,))
+        op_ids = torch.randint(len(self.names), (batch,), generator=generator)
         if self.uniform_magnitude:
-            bins = torch.randint(NUM_MAGNITUDE_BINS, (batch,))
+            bins = torch.randint(NUM_MAGNITUDE_BINS, (batch,), generator=generator)
         else:
             bins = torch.full((batch,), self.magnitude)
-        negate = (torch.rand(batch) < 0.5) & self.signed[op_ids]
+        negate = (torch.rand(batch, generator=generator) < 0.5) & self.signed[op_ids]
         return op_ids, self.table[op_ids, bins] * torch.where(negate, -1.0, 1.0)
 
+    def take_warps(self, op_ids: Tensor, magnitudes: Tensor) -> tuple[Tensor, Tensor]:
+        """The geometric ops drawn (CPU) as `affine_grid` thetas (B, 2, 3) for `crop_and_warp`, identity elsewhere,
+        and the op ids left for `apply_per_sample_ops`: Identity where a warp was taken."""
+        theta = torch.eye(2, 3).repeat(len(op_ids), 1, 1)
+        for name in WARPS:
+            drawn = op_ids == self.names.index(name)
+            if drawn.any():
+                theta[drawn] = warp_theta(name, magnitudes[drawn], self.image_size)
+        is_warp = torch.tensor([name in WARPS for name in self.names])[op_ids]
+        return theta, torch.where(is_warp, self.names.index("Identity"), op_ids)
 
-def random_erase(x: Tensor, prob: float, attempts: int = 10) -> Tensor:
+
+def random_erase(x: Tensor, prob: float, attempts: int = 10, generator: torch.Generator | None = None) -> Tensor:
     """timm's RandomErasing ('pixel' mode, one box, first of `attempts` draws that fits) batched; x is normalised."""
     batch, _, height, width = x.shape
-    u = torch.rand(batch, 2 * attempts + 3, device=x.device)
+    u = torch.rand(batch, 2 * attempts + 3, device=x.device, generator=generator)
     area = height * width * (0.02 + (1 / 3 - 0.02) * u[:, :attempts])
     aspect = torch.exp(math.log(0.3) + (math.log(3.3) - math.log(0.3)) * u[:, attempts:-3])
     h, w = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()
@@ -244,7 +311,8 @@ def random_erase(x: Tensor, prob: float, attempts: int = 10) -> Tensor:
     inside_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])
     inside_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])
     box = erase[:, None, None, None] & inside_rows[:, None, :, None] & inside_cols[:, None, None, :]
-    return torch.where(box, torch.randn_like(x), x)
+    noise = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=generator)
+    return torch.where(box, noise, x)
 
 
 class TrainTransform(_Normalized):
@@ -258,15 +326,24 @@ class TrainTransform(_Normalized):
         if auto_augment not in (None, "none"):
             self.random_ops = RandomOps(auto_augment, image_size, randaugment_num_ops, randaugment_magnitude)
 
-    def forward(self, pixels: Tensor) -> Tensor:
+    def forward(self, pixels: Tensor, randomness: Randomness | None = None) -> Tensor:
+        rng = randomness or Randomness()
         x = pixels.float()
         batch, _, height, width = x.shape
-        theta = sample_crop_flip_theta(batch, height, width, self.crop_scale, self.hflip_prob, x.device)
-        x = resample(x, theta, self.image_size, padding_mode="border")  # border: edge pixels, as a resize would
-        if self.random_ops is not None:
-            x = self.random_ops(x)
+        crop = sample_crop_flip_theta(batch, height, width, self.crop_scale, self.hflip_prob, x.device, rng.device)
+        if self.random_ops is None:
+            x = resample(x, crop, self.image_size, padding_mode="border")  # border: edge pixels, as a resize would
+        else:
+            # All rounds drawn up front: the first round's geometric ops join the crop's resampling (crop_and_warp),
+            # about half of the policy's kernel launches otherwise, which the host pays at every step.
+            rounds = [self.random_ops.sample(batch, rng.host) for _ in range(self.random_ops.num_ops)]
+            (first_ops, first_magnitudes), later = rounds[0], rounds[1:]
+            warp, first_ops = self.random_ops.take_warps(first_ops, first_magnitudes)
+            x = crop_and_warp(x, crop, *host_to_device(x.device, warp), self.image_size)
+            for op_ids, magnitudes in [(first_ops, first_magnitudes), *later]:
+                x = apply_per_sample_ops(x, op_ids, magnitudes, self.random_ops.names)
         x = self.normalize(x)
-        return random_erase(x, self.random_erasing) if self.random_erasing > 0 else x
+        return random_erase(x, self.random_erasing, generator=rng.device) if self.random_erasing > 0 else x
 
 
 class EvalTransform(_Normalized):
@@ -300,18 +377,19 @@ def build_transforms(aug_args, image_size: int, mean, std) -> tuple[TrainTransfo
 
 
 class MixupCutmix:
-    """timm's Mixup, 'batch' mode: one lam ~ Beta per batch (CPU RNG), x mixed with x.flip(0) by mixup or cutmix."""
+    """timm's Mixup, 'batch' mode: one lam ~ Beta per batch (Python's RNG), x mixed with x.flip(0) by mixup or cutmix."""
 
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, label_smoothing: float = 0.0):
         self.mixup_alpha, self.cutmix_alpha = float(mixup_alpha), float(cutmix_alpha)
         self.num_classes, self.label_smoothing = int(num_classes), float(label_smoothing)
 
-    def __call__(self, pixels: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(self, pixels: Tensor, labels: Tensor, randomness: Randomness | None = None) -> tuple[Tensor, Tensor]:
+        rng = (randomness or Randomness()).python
         both = self.mixup_alpha > 0 and self.cutmix_alpha > 0
-        use_cutmix = bool(torch.rand(()) < 0.5) if both else self.cutmix_alpha > 0
-        alpha = torch.tensor(self.cutmix_alpha if use_cutmix else self.mixup_alpha)
-        lam = float(torch.distributions.Beta(alpha, alpha).sample())
-        pixels, lam = cutmix(pixels, lam) if use_cutmix else (lam * pixels + (1 - lam) * pixels.flip(0), lam)
+        use_cutmix = rng.random() < 0.5 if both else self.cutmix_alpha > 0
+        alpha = self.cutmix_alpha if use_cutmix else self.mixup_alpha
+        lam = rng.betavariate(alpha, alpha)
+        pixels, lam = cutmix(pixels, lam, rng) if use_cutmix else (lam * pixels + (1 - lam) * pixels.flip(0), lam)
         hot = labels if labels.ndim == 2 else F.one_hot(labels.long(), self.num_classes)
         soft = smooth_targets(hot, self.label_smoothing)
         return pixels, lam * soft + (1 - lam) * soft.flip(0)
@@ -323,12 +401,12 @@ def smooth_targets(hot: Tensor, smoothing: float) -> Tensor:
     return torch.where(hot > 0, 1.0 - smoothing + off, off).float()
 
 
-def cutmix(pixels: Tensor, lam: float) -> tuple[Tensor, float]:
+def cutmix(pixels: Tensor, lam: float, rng: random.Random = random) -> tuple[Tensor, float]:
     """Paste a box of area ~(1 - lam) from x.flip(0) (timm's rand_bbox); return pixels and the box-corrected lam."""
     height, width = pixels.shape[-2:]
     cut = math.sqrt(1 - lam)
     half_h, half_w = int(height * cut) // 2, int(width * cut) // 2
-    cy, cx = (int(torch.randint(size, ())) for size in (height, width))
+    cy, cx = rng.randrange(height), rng.randrange(width)
     top, bottom = max(cy - half_h, 0), min(cy + half_h, height)
     left, right = max(cx - half_w, 0), min(cx + half_w, width)
     mixed = pixels.clone()
