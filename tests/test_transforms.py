@@ -96,7 +96,9 @@ def test_eval_is_plain_crop_when_storage_fits():
     _, evaluate = T.build_transforms(aug_args(eval_crop_pct=0.8), 64, 0.0, 1.0)  # resize to 80 = storage: no resample
     pixels = random_pixels(2, 80, 90)
     top, left = (80 - 64) // 2, (90 - 64) // 2
-    assert torch.equal(evaluate(pixels) * 255, pixels[..., top : top + 64, left : left + 64].float())
+    crop = pixels[..., top : top + 64, left : left + 64].float()
+    assert torch.equal(evaluate(pixels), evaluate.normalize(crop))
+    torch.testing.assert_close(evaluate(pixels) * 255, crop, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("size", [1, 7, 224])
@@ -167,8 +169,8 @@ def test_the_first_rounds_geometric_ops_join_the_crop():
     pixels = torch.stack([3 * rows + 2 * cols, 120 + cols, 2 * rows + 10]).to(torch.uint8).expand(64, 3, 40, 40)
     train, _ = T.build_transforms(aug_args(auto_augment="trivialaugment", crop_scale_min=0.5), 32, 0.0, 1.0)
     out = train(pixels, drawn()) * 255
-    rng = drawn()  # the same draws, in the same order: the crops (device), then the ops (host)
-    crop = T.sample_crop_flip_theta(64, 40, 40, (0.5, 1.0), 0.5, generator=rng.device)
+    rng = drawn()  # the same draws, in the same order: the crops, then the ops
+    crop = T.sample_crop_flip_theta(64, 40, 40, (0.5, 1.0), 0.5, generator=rng.host)
     op_ids, magnitudes = train.random_ops.sample(64, rng.host)
     expected = T.apply_per_sample_ops(T.resample(pixels.float(), crop, 32, "border"), op_ids, magnitudes,
                                       train.random_ops.names)  # fmt: skip
