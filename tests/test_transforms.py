@@ -169,8 +169,8 @@ def test_the_first_rounds_geometric_ops_join_the_crop():
     pixels = torch.stack([3 * rows + 2 * cols, 120 + cols, 2 * rows + 10]).to(torch.uint8).expand(64, 3, 40, 40)
     train, _ = T.build_transforms(aug_args(auto_augment="trivialaugment", crop_scale_min=0.5), 32, 0.0, 1.0)
     out = train(pixels, drawn()) * 255
-    rng = drawn()  # the same draws, in the same order: the crops, then the ops
-    crop = T.sample_crop_flip_theta(64, 40, 40, (0.5, 1.0), 0.5, generator=rng.host)
+    rng = drawn()  # the same draws: the crops (device), then the ops (host)
+    crop = T.sample_crop_flip_theta(64, 40, 40, (0.5, 1.0), 0.5, generator=rng.device)
     op_ids, magnitudes = train.random_ops.sample(64, rng.host)
     expected = T.apply_per_sample_ops(T.resample(pixels.float(), crop, 32, "border"), op_ids, magnitudes,
                                       train.random_ops.names)  # fmt: skip

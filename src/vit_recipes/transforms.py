@@ -2,8 +2,8 @@
 Train: random-resized crop and flip in one bilinear `grid_sample` (no antialiasing: storage is at most ~1.14x the model
 size, crops only enlarge), then optional RandAugment/TrivialAugmentWide with torchvision's ops and magnitudes (geometric
 ops bilinear, black fill; torchvision: nearest; the first round's geometric op shares the crop's one resampling pass),
-with no device sync: the CPU launches the step's kernels ahead of the GPU. Each image's random numbers are drawn and
-composed on the CPU, from a `Randomness` per batch or the global RNGs when none is given. Eval matches the saved PIL
+with no device sync: the CPU launches the step's kernels ahead of the GPU. Random draws come from a `Randomness` per
+batch (crops on the device, ops on the CPU), or torch's global RNGs when none is given. Eval matches the saved PIL
 bicubic image processor within 1-2 levels (antialiased bicubic in two passes rounded to uint8), so scores carry over."""
 
 import dataclasses
@@ -32,8 +32,8 @@ class Randomness:
     accelerate's `set_seed(device_specific=True)` does, would also move accelerate's seedable sampler, whose ranks
     must draw the same permutation.)"""
 
-    host: torch.Generator | None = None  # the CPU's draws: crops, flips, ops, bins, signs, erasing boxes
-    device: torch.Generator | None = None  # the batch device's draws: random erasing's noise
+    host: torch.Generator | None = None  # the CPU's draws: RandAugment/TrivialAugment's ops, bins and signs
+    device: torch.Generator | None = None  # the batch device's draws: crops, flips, erasing boxes and noise
     python: random.Random = random  # mixup's few scalars (Beta has no torch generator argument)
 
     @classmethod
@@ -138,19 +138,15 @@ def _warp(name: str) -> Callable[[Tensor, Tensor], Tensor]:
 
 def crop_and_warp(x: Tensor, crop: Tensor, warp: Tensor, size: int) -> Tensor:
     """The crop and flip (`crop`, diagonal thetas), then a geometric op per sample (`warp` thetas, identity where none)
-    in one bilinear pass: the op's map into the cropped image, composed with the crop's into the source. Pixels that
-    the op maps outside the crop are black, weighted as zero padding would (1 inside, down to 0 a pixel beyond the
-    edge). Thetas on the CPU, composed there; resampling once, not twice, spares the image a second blur."""
-    scale, offset = crop[:, :, :2].diagonal(dim1=1, dim2=2), crop[:, :, 2]  # (B, 2) each: crops do not rotate
-    composed = warp * scale.unsqueeze(-1)  # row i of [A | t] times the crop's scale on axis i, plus its offset
-    composed[:, :, 2] += offset
-    (numbers,) = host_to_device(x.device, torch.cat([composed.flatten(1), scale, offset], 1).to(x.dtype))
-    composed, scale, offset = numbers[:, :6], numbers[:, 6:8].view(-1, 1, 1, 2), numbers[:, 8:].view(-1, 1, 1, 2)
-    grid = affine_grid(composed, size)
+    in one bilinear pass: each output pixel's place q in the cropped image is mapped on into the source. Pixels whose
+    q falls outside the crop are black, weighted as zero padding would (1 inside, down to 0 a pixel beyond the edge).
+    Resampling once, not twice, also spares the image a second interpolation's blur."""
+    q = affine_grid(warp.to(x.dtype), size)  # (B, S, S, 2)
+    scale, offset = crop[:, :, :2].diagonal(dim1=1, dim2=2), crop[:, :, 2]  # (B, 2) each; crops do not rotate
+    grid = torch.addcmul(offset.view(-1, 1, 1, 2).to(x.dtype), q, scale.view(-1, 1, 1, 2).to(x.dtype))
     out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
-    at = (grid - offset) / scale  # where each output pixel lands in the cropped image (normalised)
-    inside = at.abs_().mul_(-size / 2).add_(size / 2 + 0.5).clamp_(0, 1).prod(-1)  # 1 - |at| in half-pixels, + 0.5
-    return out.mul_(inside.unsqueeze(1))
+    inside = ((1 - q.abs()) * (size / 2) + 0.5).clamp(0, 1).prod(-1)  # per axis, the weight on in-bounds pixels
+    return out * inside.unsqueeze(1)
 
 
 def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
@@ -308,33 +304,24 @@ class RandomOps(nn.Module):
         return theta, torch.where(is_warp, self.names.index("Identity"), op_ids)
 
 
-def random_erase(x: Tensor, prob: float, attempts: int = 10, randomness: Randomness | None = None) -> Tensor:
-    """timm's RandomErasing ('pixel' mode, one box, first of `attempts` draws that fits) batched; x is normalised.
-    Boxes are drawn on the CPU (a few numbers per image: on the device, each op is a kernel launch), noise on x's
-    device."""
-    rng = randomness or Randomness()
+def random_erase(x: Tensor, prob: float, attempts: int = 10, generator: torch.Generator | None = None) -> Tensor:
+    """timm's RandomErasing ('pixel' mode, one box, first of `attempts` draws that fits) batched; x is normalised."""
     batch, _, height, width = x.shape
-    u = torch.rand(batch, 2 * attempts + 3, generator=rng.host)
+    u = torch.rand(batch, 2 * attempts + 3, device=x.device, generator=generator)
     area = height * width * (0.02 + (1 / 3 - 0.02) * u[:, :attempts])
     aspect = torch.exp(math.log(0.3) + (math.log(3.3) - math.log(0.3)) * u[:, attempts:-3])
     h, w = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()
     fits = (h < height) & (w < width)
     first = fits.int().argmax(1, keepdim=True)
     h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
-    h = torch.where(fits.any(1) & (u[:, -1] < prob), h, 0.0)  # an empty box: not erased
+    erase = fits.any(1) & (u[:, -1] < prob)
     top, left = (((size - side + 1) * v).floor() for size, side, v in ((height, h, u[:, -3]), (width, w, u[:, -2])))
-    (box,) = host_to_device(x.device, torch.stack([top, top + h, left, left + w], 1).to(x.dtype))
-    rows = _pixel_index(height, x.device, x.dtype).view(1, -1, 1)
-    cols = _pixel_index(width, x.device, x.dtype).view(1, 1, -1)
-    top, bottom, left, right = (edge.view(-1, 1, 1) for edge in box.unbind(1))
-    inside = (rows >= top) & (rows < bottom) & (cols >= left) & (cols < right)
-    noise = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=rng.device)
-    return torch.where(inside.unsqueeze(1), noise, x)
-
-
-@functools.lru_cache(maxsize=16)
-def _pixel_index(size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    return torch.arange(size, device=device, dtype=dtype)
+    rows, cols = torch.arange(height, device=x.device), torch.arange(width, device=x.device)
+    inside_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])
+    inside_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])
+    box = erase[:, None, None, None] & inside_rows[:, None, :, None] & inside_cols[:, None, None, :]
+    noise = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=generator)
+    return torch.where(box, noise, x)
 
 
 class TrainTransform(_Normalized):
@@ -349,24 +336,23 @@ class TrainTransform(_Normalized):
             self.random_ops = RandomOps(auto_augment, image_size, randaugment_num_ops, randaugment_magnitude)
 
     def forward(self, pixels: Tensor, randomness: Randomness | None = None) -> Tensor:
-        # Each image's numbers (crop box, flip, ops) are drawn and composed on the CPU and copied over at once: on the
-        # device every small op would be a kernel launch, ~20 us of the host's time per step, hundreds of them.
         rng = randomness or Randomness()
         x = pixels.float()
         batch, _, height, width = x.shape
-        crop = sample_crop_flip_theta(batch, height, width, self.crop_scale, self.hflip_prob, generator=rng.host)
+        crop = sample_crop_flip_theta(batch, height, width, self.crop_scale, self.hflip_prob, x.device, rng.device)
         if self.random_ops is None:
-            x = resample(x, *host_to_device(x.device, crop), self.image_size, padding_mode="border")  # edge pixels
+            x = resample(x, crop, self.image_size, padding_mode="border")  # border: edge pixels, as a resize would
         else:
-            # All rounds drawn up front: the first round's geometric ops join the crop's resampling (crop_and_warp).
+            # All rounds drawn up front: the first round's geometric ops join the crop's resampling (crop_and_warp),
+            # about half of the policy's kernel launches otherwise, which the host pays at every step.
             rounds = [self.random_ops.sample(batch, rng.host) for _ in range(self.random_ops.num_ops)]
             (first_ops, first_magnitudes), later = rounds[0], rounds[1:]
             warp, first_ops = self.random_ops.take_warps(first_ops, first_magnitudes)
-            x = crop_and_warp(x, crop, warp, self.image_size)
+            x = crop_and_warp(x, crop, *host_to_device(x.device, warp), self.image_size)
             for op_ids, magnitudes in [(first_ops, first_magnitudes), *later]:
                 x = apply_per_sample_ops(x, op_ids, magnitudes, self.random_ops.names)
         x = self.normalize(x)
-        return random_erase(x, self.random_erasing, randomness=rng) if self.random_erasing > 0 else x
+        return random_erase(x, self.random_erasing, generator=rng.device) if self.random_erasing > 0 else x
 
 
 class EvalTransform(_Normalized):
