@@ -263,12 +263,12 @@ def apply_per_sample_ops(x: Tensor, op_ids: Tensor, magnitudes: Tensor, names: S
     return out
 
 
-class RandomOps(nn.Module):
+class RandomOps:
     """RandAugment (fixed magnitude bin, `num_ops` rounds) or TrivialAugmentWide (one op, uniform bin), per sample.
     Ops, bins and signs are drawn on the CPU: a few hundred numbers, and the host needs the ops."""
 
     def __init__(self, policy: str, image_size: int, num_ops: int = 2, magnitude: int = 9):
-        super().__init__()  # policy and magnitude are checked with the arguments (arguments.validate_arguments)
+        # policy and magnitude are checked with the arguments (arguments.validate_arguments)
         space = augmentation_space(policy, image_size)
         self.names, self.image_size = list(space), int(image_size)
         self.uniform_magnitude = policy == "trivialaugment"
@@ -277,9 +277,16 @@ class RandomOps(nn.Module):
         self.table = torch.stack([m for m, _ in space.values()])  # CPU tensors: sampling happens there
         self.signed = torch.tensor([s for _, s in space.values()])
 
-    def forward(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        for _ in range(self.num_ops):
-            x = apply_per_sample_ops(x, *self.sample(x.shape[0], generator), self.names)
+    def __call__(self, x: Tensor, crop: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """x (uncropped, float) cropped by the `crop` thetas, then the policy's rounds. All rounds are drawn up front:
+        the first round's geometric ops join the crop's resampling (crop_and_warp), about half of the policy's kernel
+        launches otherwise, which the host pays at every step."""
+        rounds = [self.sample(x.shape[0], generator) for _ in range(self.num_ops)]
+        (first_ops, first_magnitudes), later = rounds[0], rounds[1:]
+        warp, first_ops = self.take_warps(first_ops, first_magnitudes)
+        x = crop_and_warp(x, crop, *host_to_device(x.device, warp), self.image_size)
+        for op_ids, magnitudes in [(first_ops, first_magnitudes), *later]:
+            x = apply_per_sample_ops(x, op_ids, magnitudes, self.names)
         return x
 
     def sample(self, batch: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
@@ -343,14 +350,7 @@ class TrainTransform(_Normalized):
         if self.random_ops is None:
             x = resample(x, crop, self.image_size, padding_mode="border")  # border: edge pixels, as a resize would
         else:
-            # All rounds drawn up front: the first round's geometric ops join the crop's resampling (crop_and_warp),
-            # about half of the policy's kernel launches otherwise, which the host pays at every step.
-            rounds = [self.random_ops.sample(batch, rng.host) for _ in range(self.random_ops.num_ops)]
-            (first_ops, first_magnitudes), later = rounds[0], rounds[1:]
-            warp, first_ops = self.random_ops.take_warps(first_ops, first_magnitudes)
-            x = crop_and_warp(x, crop, *host_to_device(x.device, warp), self.image_size)
-            for op_ids, magnitudes in [(first_ops, first_magnitudes), *later]:
-                x = apply_per_sample_ops(x, op_ids, magnitudes, self.random_ops.names)
+            x = self.random_ops(x, crop, rng.host)
         x = self.normalize(x)
         return random_erase(x, self.random_erasing, generator=rng.device) if self.random_erasing > 0 else x
 
