@@ -80,6 +80,7 @@ JOBS = {  # job -> (our arguments after the recipe, the peer's arguments for the
          "--eval_strategy", "no", "--save_strategy", "no", "--do_eval", "true"],
     ),
 }  # fmt: skip
+PHOTO_JOBS = ("photos200", "photos-epoch")  # on the folder of JPEG photos, with PHOTOS_RECIPE; the others: CIFAR-100
 PEER_COMMON = ["--do_train", "true", "--bf16", "true", "--learning_rate", "1e-4", "--lr_scheduler_type", "cosine",
                "--logging_steps", "50", "--seed", "42", "--disable_tqdm", "true"]  # fmt: skip
 # The order runs go in: what the README's table needs first, so a budget cut leaves the least important out.
@@ -109,22 +110,26 @@ class Run:
     cache_bytes: int | None = None  # what the run's datasets cache holds after it
 
     @property
+    def on_photos(self) -> bool:
+        return self.job in PHOTO_JOBS
+
+    @property
     def name(self) -> str:
         return f"{self.job}-{self.who}" + (f"-w{self.workers}" if self.workers else "") + f"-{self.cache}"
 
 
 def argv_of(run: Run, assets: Path, out: Path, photos: Path | None = None) -> list[str]:
     ours, peer = JOBS[run.job]
-    dataset = str(photos) if run.job.startswith("photos") else str(assets / "cifar100")
+    dataset = str(photos) if run.on_photos else str(assets / "cifar100")
     data = ["--model_name_or_path", str(assets / "vit-base"), "--dataset_name", dataset]
     if run.who == "peer":  # the job's arguments (and --extra) last: they win
         peer_args = common.peer_args(str(assets / "vit-base"), dataset, str(out), run.workers)
-        if run.job.startswith("photos"):  # the example reads a folder of photos as two folders, not --dataset_name
+        if run.on_photos:  # the example reads a folder of photos as two folders, not --dataset_name
             at = peer_args.index("--dataset_name")
             peer_args[at : at + 2] = ["--train_dir", f"{dataset}/train", "--validation_dir", f"{dataset}/validation"]
         return [sys.executable, *peer_args, *PEER_COMMON, *peer]
     extra = {"ours-compiled": ["--torch_compile_regions", "true"], "ours-once": ["--decode_images", "once"]}
-    recipe = PHOTOS_RECIPE if run.job.startswith("photos") else RECIPE
+    recipe = PHOTOS_RECIPE if run.on_photos else RECIPE
     return [sys.executable, "run_image_classification.py", "--config", recipe, *data, "--output_dir", str(out),
             "--report_to", "none", *ours, *extra.get(run.who, [])]  # fmt: skip
 
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.extra:
             for job, (ours, peer) in list(JOBS.items()):
                 JOBS[job] = (ours + shlex.split(args.extra), peer + shlex.split(args.extra))
-        photos = photos_folder(work, args.photos) if any(r.job.startswith("photos") for r in runs) else None
+        photos = photos_folder(work, args.photos) if any(r.on_photos for r in runs) else None
         bytecode = byte_compile(work) if args.bytecode else None
         start = time.time()
         for run in runs:
