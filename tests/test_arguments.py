@@ -185,15 +185,3 @@ def test_null_typed_on_the_command_line_means_no_checkpoint(tmp_path):
     args = parse_args(["--dataset_name", "d", "--output_dir", str(tmp_path), "--model_name_or_path", "null",
                        "--config_name", "vit", "--report_to", "none"])  # fmt: skip
     assert args.model.model_name_or_path is None and args.model.config_name == "vit"
-
-
-def test_run_config_tells_runs_on_another_label_column_apart(tmp_path):
-    """Resuming into a folder trained on fine_label with --label_column_name coarse_label is another run: refused by
-    run_dir's check. Unset, the key is absent, so the run_config.json of earlier runs still matches."""
-    from vit_recipes.arguments import run_config
-
-    base = ["--output_dir", str(tmp_path), "--dataset_name", "x", "--use_cpu", "true"]
-    assert "label_column_name" not in run_config(parse_args(base))
-    fine = run_config(parse_args([*base, "--label_column_name", "fine_label"]))
-    coarse = run_config(parse_args([*base, "--label_column_name", "coarse_label"]))
-    assert fine["label_column_name"] == "fine_label" and fine != coarse

@@ -654,8 +654,6 @@ def run_config(args: RunArguments) -> dict[str, Any]:
     config["seed"] = args.training.seed
     if args.data.problem_type:  # a multi-label run on single-label data is another run
         config["problem_type"] = args.data.problem_type
-    if args.data.label_column_name:  # CIFAR-100 on fine_label or coarse_label: two runs (unset: as before)
-        config["label_column_name"] = args.data.label_column_name
     if args.lora.use_peft:  # LoRA and head-only runs are other runs than full fine-tuning
         config.update(use_peft=True, lora_r=args.lora.lora_r, lora_target_modules=args.lora.lora_target_modules)
     elif args.lora.freeze_backbone:
