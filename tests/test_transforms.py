@@ -56,6 +56,11 @@ def as_hwc(x_chw):
     return x_chw.permute(1, 2, 0).numpy()
 
 
+def drawn(seed=0, rank=0, step=0, micro_batch=0, device="cpu"):
+    """A training batch's randomness, as the trainer makes it (batches.DeviceBatches.training_step)."""
+    return T.Randomness.for_batch(seed, rank, step, micro_batch, device)
+
+
 # --------------------------------------------------------------------------------------------------- train/eval
 
 
@@ -500,11 +505,6 @@ def test_build_mixup():
     assert T.build_mixup(aug_args(), 10, 0.1) is None
     mix = T.build_mixup(aug_args(mixup_alpha=0.8, cutmix_alpha=1.0), 10, 0.1)
     assert (mix.mixup_alpha, mix.cutmix_alpha, mix.num_classes, mix.label_smoothing) == (0.8, 1.0, 10, 0.1)
-
-
-def drawn(seed=0, rank=0, step=0, micro_batch=0, device="cpu"):
-    """A training batch's randomness, as the trainer makes it (batches.DeviceBatches.training_step)."""
-    return T.Randomness.for_batch(seed, rank, step, micro_batch, device)
 
 
 def test_mixup_mixes_pixels_and_targets_with_the_same_lam():

@@ -3,7 +3,7 @@ Train: random-resized crop and flip in one bilinear `grid_sample` (no antialiasi
 size, crops only enlarge), then optional RandAugment/TrivialAugmentWide with torchvision's ops and magnitudes (geometric
 ops bilinear, black fill; torchvision: nearest; the first round's geometric op shares the crop's one resampling pass),
 with no device sync: the CPU launches the step's kernels ahead of the GPU. Random draws come from a `Randomness` per
-batch (crops on the device, ops on the CPU), or torch's global RNGs when none is given. Eval matches the saved PIL
+batch (crops on the device, ops on the CPU), or the global RNGs when none is given. Eval matches the saved PIL
 bicubic image processor within 1-2 levels (antialiased bicubic in two passes rounded to uint8), so scores carry over."""
 
 import dataclasses
