@@ -276,6 +276,7 @@ class RandomOps:
         self.magnitude = int(magnitude)
         self.table = torch.stack([m for m, _ in space.values()])  # CPU tensors: sampling happens there
         self.signed = torch.tensor([s for _, s in space.values()])
+        self.is_warp = torch.tensor([name in WARPS for name in self.names])  # per op id, like `signed`
 
     def __call__(self, x: Tensor, crop: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """x (uncropped, float) cropped by the `crop` thetas, then the policy's rounds. All rounds are drawn up front:
@@ -307,8 +308,7 @@ class RandomOps:
             drawn = op_ids == self.names.index(name)
             if drawn.any():
                 theta[drawn] = warp_theta(name, magnitudes[drawn], self.image_size)
-        is_warp = torch.tensor([name in WARPS for name in self.names])[op_ids]
-        return theta, torch.where(is_warp, self.names.index("Identity"), op_ids)
+        return theta, torch.where(self.is_warp[op_ids], self.names.index("Identity"), op_ids)
 
 
 def random_erase(x: Tensor, prob: float, attempts: int = 10, generator: torch.Generator | None = None) -> Tensor:
