@@ -107,11 +107,9 @@ def assign_splits(files: list[str]) -> dict[str, list[str]]:
         for f in files:
             if in_dir:
                 folder = f[: f.rfind("/") + 1]  # "" or "a/b/": the patterns need a folder's closing "/"
-                split = (
-                    by_folder[folder]
-                    if folder in by_folder
-                    else by_folder.setdefault(folder, _keyword_split(folder, True))
-                )
+                if folder not in by_folder:
+                    by_folder[folder] = _keyword_split(folder, True)
+                split = by_folder[folder]
             else:
                 split = _keyword_split(f, False)
             if split is not None:
