@@ -150,23 +150,29 @@ def crop_and_warp(x: Tensor, crop: Tensor, warp: Tensor, size: int) -> Tensor:
 
 
 def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
-    """torchvision/PIL enhance: interpolate (or extrapolate) from a degenerate image towards x."""
-    factor = factor.view(-1, 1, 1, 1)
-    return (factor * x + (1 - factor) * degenerate).clamp(0, 255)
+    """torchvision/PIL enhance: interpolate (or extrapolate) from a degenerate image towards x (two kernels)."""
+    return torch.lerp(degenerate, x, factor.view(-1, 1, 1, 1)).clamp_(0, 255)
+
+
+@functools.lru_cache(maxsize=16)
+def _filters(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Made once per device: the grey weights (1, 3, 1, 1) and PIL's SMOOTH kernel (1, 1, 3, 3). Made per call they
+    cost launches, and a torch.tensor(..., device=cuda) would be a blocking copy (a device sync) every step."""
+    smooth = torch.full((1, 1, 3, 3), 1 / 13, dtype=dtype)
+    smooth[..., 1, 1] = 5 / 13
+    return torch.tensor(GRAY_WEIGHTS, dtype=dtype).view(1, 3, 1, 1).to(device), smooth.to(device)
 
 
 def _grayscale(x: Tensor) -> Tensor:
-    # Python-number weights: a torch.tensor(..., device=cuda) per call is a blocking copy, a device sync
-    return sum(weight * x[:, c : c + 1] for c, weight in enumerate(GRAY_WEIGHTS))
+    return (x * _filters(x.device, x.dtype)[0]).sum(1, keepdim=True)
 
 
 def sharpness(x: Tensor, m: Tensor) -> Tensor:
     """Blend with PIL's SMOOTH-filtered image; the 1-pixel border keeps the original (as PIL and torchvision)."""
     n, c, h, w = x.shape
-    kernel = torch.full((1, 1, 3, 3), 1 / 13, dtype=x.dtype, device=x.device)  # filled on the device: no copy
-    kernel[..., 1, 1] = 5 / 13
     degenerate = x.clone()
-    degenerate[..., 1:-1, 1:-1] = F.conv2d(x.reshape(n * c, 1, h, w), kernel).view(n, c, h - 2, w - 2)
+    smooth = _filters(x.device, x.dtype)[1]
+    degenerate[..., 1:-1, 1:-1] = F.conv2d(x.reshape(n * c, 1, h, w), smooth).view(n, c, h - 2, w - 2)
     return _blend(x, degenerate, 1 + m)
 
 
@@ -204,7 +210,7 @@ def equalize(x: Tensor, m: Tensor) -> Tensor:
 OPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "Identity": lambda x, m: x,
     **{name: _warp(name) for name in WARPS},  # ShearX, ShearY, TranslateX, TranslateY, Rotate
-    "Brightness": lambda x, m: (x * (1 + m).view(-1, 1, 1, 1)).clamp(0, 255),
+    "Brightness": lambda x, m: torch.addcmul(x, x, m.view(-1, 1, 1, 1)).clamp_(0, 255),  # x * (1 + m)
     "Color": lambda x, m: _blend(x, _grayscale(x), 1 + m),
     "Contrast": lambda x, m: _blend(x, _grayscale(x).mean((1, 2, 3), keepdim=True), 1 + m),
     "Sharpness": sharpness,
