@@ -64,30 +64,43 @@ class _Normalized(nn.Module):
 def sample_crop_flip_theta(
     batch: int, height: int, width: int, scale: tuple[float, float], hflip_prob: float, device="cpu", generator=None
 ) -> Tensor:
-    """`affine_grid` thetas (B, 2, 3): torchvision's RandomResizedCrop sampling and a flip, batched, per sample."""
+    """`affine_grid` thetas (B, 2, 3): torchvision's RandomResizedCrop sampling and a flip, batched, per sample.
+    Written for few kernels (about 25; each costs the host a launch at every step): the attempts' widths and heights
+    as one (B, attempts, 2) tensor, the constants made once per device (`_crop_constants`)."""
     u = torch.rand(batch, 2 * CROP_ATTEMPTS + 3, device=device, generator=generator)  # one RNG call for everything
-    u_area, u_aspect, (u_x, u_y, u_flip) = u[:, :CROP_ATTEMPTS], u[:, CROP_ATTEMPTS:-3], u[:, -3:].unbind(1)
+    size, u_scale, u_offset, fallback, signs = _crop_constants(height, width, scale, torch.device(device))
+    flip = torch.where(u[:, -1:] < hflip_prob, -1.0, 1.0)  # (B, 1)
     if scale[0] >= 1:
-        w, h = (torch.full((batch,), float(side), device=device) for side in (width, height))
-        x0 = y0 = torch.zeros(batch, device=device)
+        wh, xy0 = size.expand(batch, 2), torch.zeros(batch, 2, device=device)
     else:
-        area = height * width * (scale[0] + (scale[1] - scale[0]) * u_area)
-        log_lo, log_hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
-        aspect = torch.exp(log_lo + (log_hi - log_lo) * u_aspect)
-        w_try, h_try = (area * aspect).sqrt(), (area / aspect).sqrt()
-        fits = (w_try <= width) & (h_try <= height)
-        first = fits.int().argmax(1, keepdim=True)  # argmax returns the first maximal index
-        found = fits.any(1)
-        (low, high), aspect = CROP_RATIO, width / height  # fallback: the whole image, trimmed to CROP_RATIO
-        w = torch.where(found, w_try.gather(1, first).squeeze(1), height * high if aspect > high else float(width))
-        h = torch.where(found, h_try.gather(1, first).squeeze(1), width / low if aspect < low else float(height))
-        x0 = (width - w) * torch.where(found, u_x, 0.5)
-        y0 = (height - h) * torch.where(found, u_y, 0.5)
-    sign = torch.where(u_flip < hflip_prob, -1.0, 1.0)
-    zero = torch.zeros_like(w)
+        # columns -> sqrt(area) (attempts), log(aspect) / 2 (attempts), then u_x, u_y, u_flip as drawn
+        v = torch.addcmul(u_offset, u, u_scale)
+        root_area, half_log_aspect = v[:, :CROP_ATTEMPTS].sqrt(), v[:, CROP_ATTEMPTS:-3]
+        # w = sqrt(area) * sqrt(aspect), h = sqrt(area) / sqrt(aspect): (B, attempts, 2)
+        wh = root_area.unsqueeze(-1) * torch.exp(half_log_aspect.unsqueeze(-1) * signs)
+        found, first = (wh <= size).all(-1).max(1)  # the first attempt that fits (max returns the first maximum)
+        wh = torch.where(found[:, None], wh.gather(1, first.view(-1, 1, 1).expand(-1, 1, 2)).squeeze(1), fallback)
+        xy0 = (size - wh) * torch.where(found[:, None], u[:, -3:-1], 0.5)  # the fallback is centred
     # Normalised coords (align_corners=False): the box [x0, x0 + w] maps to [-1, 1]; a flip negates the x scale.
-    rows = [sign * w / width, zero, (2 * x0 + w) / width - 1, zero, h / height, (2 * y0 + h) / height - 1]
-    return torch.stack(rows, 1).view(batch, 2, 3)
+    scales, centres = wh / size, torch.add(wh, xy0, alpha=2) / size - 1
+    zero = torch.zeros_like(flip)
+    rows = [scales[:, :1] * flip, zero, centres[:, :1], zero, scales[:, 1:], centres[:, 1:]]
+    return torch.cat(rows, 1).view(-1, 2, 3)
+
+
+@functools.lru_cache(maxsize=16)
+def _crop_constants(height: int, width: int, scale: tuple[float, float], device: torch.device) -> tuple[Tensor, ...]:
+    """Per storage size and device: (W, H), the affine map of the crop's uniforms (to area and log(aspect) / 2), the
+    fallback box (the whole image, trimmed to CROP_RATIO) and the signs taking log(aspect) / 2 to (w, h). Made once:
+    tensors built per call cost launches, and a CPU -> GPU copy of them every step."""
+    area, (log_lo, log_hi) = height * width, (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
+    u_scale = [area * (scale[1] - scale[0])] * CROP_ATTEMPTS + [(log_hi - log_lo) / 2] * CROP_ATTEMPTS + [1.0] * 3
+    u_offset = [area * scale[0]] * CROP_ATTEMPTS + [log_lo / 2] * CROP_ATTEMPTS + [0.0] * 3
+    (low, high), aspect = CROP_RATIO, width / height
+    fallback = (height * high if aspect > high else width, width / low if aspect < low else height)
+    made = (torch.tensor([width, height]), torch.tensor(u_scale), torch.tensor(u_offset), torch.tensor(fallback))
+    made += (torch.tensor([1.0, -1.0]),)
+    return tuple(t.float().to(device) for t in made)
 
 
 @functools.lru_cache(maxsize=16)
@@ -145,7 +158,8 @@ def crop_and_warp(x: Tensor, crop: Tensor, warp: Tensor, size: int) -> Tensor:
     scale, offset = crop[:, :, :2].diagonal(dim1=1, dim2=2), crop[:, :, 2]  # (B, 2) each; crops do not rotate
     grid = torch.addcmul(offset.view(-1, 1, 1, 2).to(x.dtype), q, scale.view(-1, 1, 1, 2).to(x.dtype))
     out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
-    inside = ((1 - q.abs()) * (size / 2) + 0.5).clamp(0, 1).prod(-1)  # per axis, the weight on in-bounds pixels
+    # per axis, the weight on in-bounds pixels: (1 - |q|) * size / 2 + 1/2, clamped to 0..1
+    inside = q.abs().mul_(-size / 2).add_(size / 2 + 0.5).clamp_(0, 1).prod(-1)
     return out * inside.unsqueeze(1)
 
 
@@ -184,25 +198,31 @@ def posterize(x: Tensor, bits: Tensor) -> Tensor:
 
 def autocontrast(x: Tensor, m: Tensor) -> Tensor:
     """Stretch each channel to 0..255; flat channels are left alone."""
-    lo, hi = x.amin((-2, -1), keepdim=True), x.amax((-2, -1), keepdim=True)
+    lo, hi = (v.unsqueeze(-1) for v in torch.aminmax(x.flatten(2), dim=-1, keepdim=True))  # (n, c, 1, 1) each
     flat = hi <= lo
     scale = torch.where(flat, 1.0, 255 / (hi - lo).clamp(min=1e-6))
     return ((x - torch.where(flat, 0.0, lo)) * scale).clamp(0, 255)
 
 
+@functools.lru_cache(maxsize=1024)
+def _arange(stop: int, step: int, device: torch.device) -> Tensor:
+    """torch.arange(0, stop, step) on `device`, made once per size: equalize needs a few per call (launches)."""
+    return torch.arange(0, stop, step, device=device)
+
+
 def equalize(x: Tensor, m: Tensor) -> Tensor:
     """Per-image, per-channel PIL.ImageOps.equalize (= torchvision's); one bincount over (image, channel, level)."""
     n, c, h, w = x.shape
-    levels = x.round().clamp(0, 255).long().view(n * c, h * w)
-    ids = levels + 256 * torch.arange(n * c, device=x.device).unsqueeze(1)
+    levels = x.round().clamp_(0, 255).long().view(n * c, h * w)
+    ids = (levels + _arange(256 * n * c, 256, x.device).unsqueeze(1)).view(-1)  # one histogram per image, channel
     # scatter_add, not bincount: CUDA's bincount reads the largest id back to the host (a device sync per step)
     hist = torch.zeros(n * c * 256, dtype=torch.long, device=x.device)
-    hist = hist.scatter_add_(0, ids.view(-1), torch.ones_like(ids.view(-1))).view(n * c, 256)
+    hist = hist.scatter_add_(0, ids, _arange(2, 1, x.device)[1].expand_as(ids)).view(n * c, 256)  # adds 1 per pixel
     top_count = hist.gather(1, levels.amax(1, keepdim=True))  # pixels at the brightest level present
     step = torch.div(h * w - top_count, 255, rounding_mode="floor")
     below = hist.cumsum(1) - hist  # pixels strictly darker than each level
     lut = torch.div(step // 2 + below, step.clamp(min=1), rounding_mode="floor").clamp(max=255)
-    lut = torch.where(step > 0, lut, torch.arange(256, device=x.device))  # near-flat channels: unchanged
+    lut = torch.where(step > 0, lut, _arange(256, 1, x.device))  # near-flat channels: unchanged
     return lut.gather(1, levels).view(n, c, h, w).to(x.dtype)
 
 
