@@ -175,7 +175,7 @@ def execute(run: Run, assets: Path, work: Path, timeout: float, photos: Path | N
     results = out / "all_results.json"
     if results.is_file():
         keep = ("time_", "train_images_per_second", "train_first_step_after_start_s", "train_warmup_s",
-                "train_step_time_s", "eval_accuracy", "train_peak_allocated_gib", "train_data_wait_share",
+                "train_step_time_s", "eval_accuracy", "train_peak_allocated_gib", "train_data_wait_fraction",
                 "data_decode_seconds")  # fmt: skip
         run.metrics = {k: v for k, v in json.loads(results.read_text()).items() if k.startswith(keep)}
     print(f"[wall_clock] {run.name}: exit {run.exit}, {run.wall_s} s, cache {run.cache_bytes >> 20} MiB", flush=True)
