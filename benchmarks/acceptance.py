@@ -499,7 +499,10 @@ def why_failed(suite: Suite, name: str) -> str:
     if result.get("exit") == "not run":
         return f"not run: {result.get('reason')}"
     text = log_text(suite, name).splitlines()
-    errors = [x for x in text if x.startswith(("error: ", "RuntimeError", "ValueError", "AssertionError"))]
+    # our one-line errors, or the last exception of a rank's traceback ("[rankN]:" prefixed or not; a launcher's
+    # ChildFailedError only repeats that a rank failed)
+    errors = [x for x in text if re.match(r"(\[rank\d+\]:\s*)?(error: |[\w.]*(Error|Exception)\b)", x)]
+    errors = [x for x in errors if "ChildFailedError" not in x]
     last = (errors or [x for x in text if x.strip()] or ["no output"])[-1].strip()
     return f"exit {result.get('exit')}: {last[:300]}"
 
@@ -564,7 +567,7 @@ def check(suite: Suite) -> list[dict]:
                 got = {(r.get("deepspeed_autocast"), r.get("param_dtype")) for r in reports}
                 add("strategies", f"{name}: DeepSpeed's autocast {want[0]}, weights {want[1]}", name, got == {want},
                     f"(autocast, weights) per rank: {sorted(got, key=str)}")  # fmt: skip
-            if name != "ddp" and suite.jobs["ddp"].result.get("exit") == 0:
+            if name != "ddp" and "ddp" in suite.jobs and suite.jobs["ddp"].result.get("exit") == 0:  # --only
                 rel, missing = max_rel(losses(w / name), losses(w / "ddp"), [STEPS])
                 add("strategies", f"{name}: loss at step {STEPS} within {LOSS_TOLERANCE:.0%} of DDP's", name,
                     rel <= LOSS_TOLERANCE, f"missing steps {missing}" if missing else
