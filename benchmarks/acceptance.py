@@ -494,6 +494,9 @@ def log_text(suite: Suite, name: str) -> str:
     return path.read_text(errors="replace") if path.is_file() else ""
 
 
+FAILED_LOG_LINES = 40  # of a failed job's log, kept in the record
+
+
 def why_failed(suite: Suite, name: str) -> str:
     result = suite.jobs[name].result
     if result.get("exit") == "not run":
@@ -538,6 +541,10 @@ def check(suite: Suite) -> list[dict]:
         ok = suite.jobs[name].result.get("exit") == 0
         if not ok:
             add(part, check_name or f"{name}: runs", name, False, why_failed(suite, name))
+            # the log's end goes into the record's JSON: the logs stay on the machine, which is gone by the time a
+            # failure is read
+            lines = [x[:300] for x in log_text(suite, name).splitlines() if x.strip()]
+            rows[-1]["log_tail"] = lines[-FAILED_LOG_LINES:]
         return ok
 
     w = suite.work

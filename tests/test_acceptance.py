@@ -159,6 +159,30 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     assert rows[f"zero1: {autocast}"]["status"] == "PASS" and f"zero3: {autocast}" in failed
 
 
+def test_a_failed_resume_is_told_by_its_ranks_exception_and_keeps_its_logs_end(acceptance, tmp_path):
+    """Under a launcher the log ends with its own lines (DeepSpeed's sigkill_handler, torchrun's ChildFailedError):
+    the check names the rank's exception, and the record keeps the log's last lines (the logs stay on the machine).
+    --only without the ddp job (here: the ZeRO-2 kill and resume alone) still checks."""
+    args = SimpleNamespace(work=str(tmp_path), cpu=False, per_gpu=4, budget=None)
+    suite = acceptance.Suite(args, 2)
+    suite.plan(["kill"], {"resume-zero2"})
+    assert "ddp" not in suite.jobs and {"zero2", "kill-zero2", "resume-zero2"} <= set(suite.jobs)
+    for job in suite.jobs.values():
+        job.result = {"exit": 0}
+    killed = {"exit": -9, "killed_pids": [1, 2], "killed_at": ["checkpoint-10"], "alive_after_kill": []}
+    suite.jobs["kill-zero2"].result = {**killed, "after_kill": ["checkpoint-10"], "results_after_kill": False}
+    suite.jobs["resume-zero2"].result = {"exit": 1}
+    (tmp_path / "logs").mkdir()
+    log = ["noise"] * 50 + ["[rank1]: Traceback (most recent call last):", "[rank1]: RuntimeError: the cause",
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+           "[2026-11-28 15:02:37,762] [ERROR] [launch.py:259:sigkill_handler] ['python3', '-u', ...] exits with 1"]  # fmt: skip
+    (tmp_path / "logs" / "resume-zero2.log").write_text("\n".join(log) + "\n")
+    rows = {r["check"]: r for r in acceptance.check(suite)}
+    failed = rows["zero2: the same command again resumes"]
+    assert failed["status"] == "FAIL" and failed["detail"] == "exit 1: [rank1]: RuntimeError: the cause"
+    assert len(failed["log_tail"]) == acceptance.FAILED_LOG_LINES and failed["log_tail"][-1] == log[-1]
+
+
 def test_two_calls_make_one_record(acceptance, tmp_path):
     def run(parts, status):
         checks = [{"part": parts[0], "check": f"{parts[0]} works", "status": status, "detail": "", "command": "x"}]
