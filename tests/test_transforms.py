@@ -136,6 +136,21 @@ def test_crop_boxes_follow_random_resized_crop():
     assert 0.3 < area.mean() < 0.6  # uniform area in [0.08, 1], minus rejected draws: ~0.45
 
 
+@pytest.mark.parametrize("height, width", [(10, 100), (100, 10), (40, 40)])
+def test_crop_falls_back_to_the_centred_whole_image_trimmed_to_the_ratio(height, width):
+    """torchvision's fallback when none of the 10 attempts fits: the whole image, cut to the nearest aspect ratio in
+    [3/4, 4/3], centred. Crops of 99-100% of the area of a 10:1 image never fit; a square one does at most aspect 1."""
+    theta = T.sample_crop_flip_theta(64, height, width, (0.99, 1.0), hflip_prob=0.0)
+    aspect = width / height
+    box_w = height * 4 / 3 if aspect > 4 / 3 else width
+    box_h = width / (3 / 4) if aspect < 3 / 4 else height
+    expected = torch.tensor([[box_w / width, 0, 0], [0, box_h / height, 0]]).expand(64, 2, 3)
+    if aspect == 1:  # a fitting attempt: area 99-100%, aspect within 1% of 1, anywhere; the fallback would be exact
+        assert torch.all((theta[:, 0, 0] - 1).abs() < 0.02) and not torch.equal(theta, expected)
+    else:
+        torch.testing.assert_close(theta, expected)
+
+
 def test_crop_samples_inside_the_box_and_flips():
     """A horizontal ramp stays monotone: increasing, or decreasing when flipped; values stay in the crop's range."""
     ramp = torch.arange(64, dtype=torch.uint8).mul(4).expand(16, 3, 48, 64).contiguous()

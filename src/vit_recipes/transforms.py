@@ -98,9 +98,8 @@ def _crop_constants(height: int, width: int, scale: tuple[float, float], device:
     u_offset = [area * scale[0]] * CROP_ATTEMPTS + [log_lo / 2] * CROP_ATTEMPTS + [0.0] * 3
     (low, high), aspect = CROP_RATIO, width / height
     fallback = (height * high if aspect > high else width, width / low if aspect < low else height)
-    made = (torch.tensor([width, height]), torch.tensor(u_scale), torch.tensor(u_offset), torch.tensor(fallback))
-    made += (torch.tensor([1.0, -1.0]),)
-    return tuple(t.float().to(device) for t in made)
+    made = ([width, height], u_scale, u_offset, fallback, [1.0, -1.0])
+    return tuple(torch.tensor(values, dtype=torch.float32).to(device) for values in made)
 
 
 @functools.lru_cache(maxsize=16)
