@@ -78,7 +78,7 @@ def sample_crop_flip_theta(
         root_area, half_log_aspect = v[:, :CROP_ATTEMPTS].sqrt(), v[:, CROP_ATTEMPTS:-3]
         # w = sqrt(area) * sqrt(aspect), h = sqrt(area) / sqrt(aspect): (B, attempts, 2)
         wh = root_area.unsqueeze(-1) * torch.exp(half_log_aspect.unsqueeze(-1) * signs)
-        found, first = (wh <= size).all(-1).max(1)  # the first attempt that fits (max returns the first maximum)
+        found, first = first_fit((wh <= size).all(-1))
         wh = torch.where(found[:, None], wh.gather(1, first.view(-1, 1, 1).expand(-1, 1, 2)).squeeze(1), fallback)
         xy0 = (size - wh) * torch.where(found[:, None], u[:, -3:-1], 0.5)  # the fallback is centred
     # Normalised coords (align_corners=False): the box [x0, x0 + w] maps to [-1, 1]; a flip negates the x scale.
@@ -86,6 +86,12 @@ def sample_crop_flip_theta(
     zero = torch.zeros_like(flip)
     rows = [scales[:, :1] * flip, zero, centres[:, :1], zero, scales[:, 1:], centres[:, 1:]]
     return torch.cat(rows, 1).view(-1, 2, 3)
+
+
+def first_fit(fits: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of `fits` (B, attempts): whether any attempt fits, and the first that does (0 where none). One kernel:
+    `max` returns the first of equal maxima."""
+    return fits.max(1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -343,10 +349,9 @@ def random_erase(x: Tensor, prob: float, attempts: int = 10, generator: torch.Ge
     area = height * width * (0.02 + (1 / 3 - 0.02) * u[:, :attempts])
     aspect = torch.exp(math.log(0.3) + (math.log(3.3) - math.log(0.3)) * u[:, attempts:-3])
     h, w = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()
-    fits = (h < height) & (w < width)
-    first = fits.int().argmax(1, keepdim=True)
-    h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
-    erase = fits.any(1) & (u[:, -1] < prob)
+    found, first = first_fit((h < height) & (w < width))
+    h, w = h.gather(1, first[:, None]).squeeze(1), w.gather(1, first[:, None]).squeeze(1)
+    erase = found & (u[:, -1] < prob)
     top, left = (((size - side + 1) * v).floor() for size, side, v in ((height, h, u[:, -3]), (width, w, u[:, -2])))
     rows, cols = torch.arange(height, device=x.device), torch.arange(width, device=x.device)
     inside_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])
