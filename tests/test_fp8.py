@@ -20,33 +20,33 @@ from vit_recipes.errors import RecipeError
 
 
 def digits_run(data: Path, out: Path, *extra) -> list[str]:
-    """The CPU quickstart recipe (a 0.3M-parameter ViT from scratch on digits), shortened to 8 epochs at a higher
-    learning rate, in bf16."""
+    """The CPU quickstart recipe (a 0.3M-parameter ViT from scratch on digits), shortened to 6 epochs at a higher
+    learning rate, in bf16 (4 epochs left one seed's bf16 run at 0.42 accuracy: too close to the 0.4 floor)."""
     return [
         "--config", str(ROOT / "recipes/quickstart/digits.yaml"), "--dataset_name", str(data),
-        "--output_dir", str(out), "--num_train_epochs", "8", "--learning_rate", "3e-3", "--bf16", "true",
+        "--output_dir", str(out), "--num_train_epochs", "6", "--learning_rate", "3e-3", "--bf16", "true",
         "--plots", "false", "--eval_strategy", "no", "--logging_steps", "20", "--seed", TRAIN_SEED, *extra,
     ]  # fmt: skip
 
 
 def test_fp8_matches_bf16_accuracy_and_saves_a_plain_model(digits_dir, tmp_path, run_script):
     """The issue's condition for FP8: accuracy parity, judged against a bf16 run trained beside it. Measured on a
-    2-core x86 box over VIT_TEST_SEED 42/43 x OMP_NUM_THREADS 1/2 (bf16 rounding makes runs thread-dependent): test
-    accuracy bf16 0.770-0.851, FP8 0.755-0.810, FP8 minus bf16 -0.063 to -0.004 (one of the 269 test images is
-    0.0037), mean logged training loss -3.4% to +0.4%. The saved model has the plain ViT's tensors and reloads
+    2-core x86 box over VIT_TEST_SEED 42/43 (one thread per run; bf16 rounding makes runs thread-dependent): test
+    accuracy bf16 0.647-0.807, FP8 0.688-0.807, FP8 minus bf16 0.000 to +0.041 (one of the 269 test images is
+    0.0037), mean logged training loss -1.3% to +4.0%. The saved model has the plain ViT's tensors and reloads
     without torchao. Both runs train at once, one thread each."""
     (base, _), (fp8, _) = run_scripts_at_once(
         digits_run(digits_dir, tmp_path / "bf16"), digits_run(digits_dir, tmp_path / "fp8", "--fp8", "true")
     )
     ours, theirs = logged_losses(tmp_path / "fp8"), logged_losses(tmp_path / "bf16")
     assert ours != theirs, "FP8 rounding must change the numbers (else nothing was converted)"
-    # mean of the 8 logged losses, FP8 vs bf16: measured -3.4% to +0.4%; an FP8 run that learned nothing: about +44%
+    # mean of the logged losses, FP8 vs bf16: measured -1.3% to +4.0%; an FP8 run that learns nothing (learning rate 1e-9): +46%
     assert statistics.fmean(ours) == pytest.approx(statistics.fmean(theirs), rel=0.2)
     accuracy = {"bf16": base["test_accuracy"], "fp8": fp8["test_accuracy"]}
     loss_change = statistics.fmean(ours) / statistics.fmean(theirs) - 1
     print(f"margin fp8 (seed {TRAIN_SEED}): accuracy {accuracy}, mean logged loss FP8 vs bf16 {loss_change:+.1%}")
-    assert min(accuracy.values()) > 0.4, f"both runs learned: {accuracy}"  # measured 0.755-0.851; chance 0.1
-    assert abs(accuracy["fp8"] - accuracy["bf16"]) <= 0.15, accuracy  # measured -0.063 to -0.004
+    assert min(accuracy.values()) > 0.4, f"both runs learned: {accuracy}"  # measured 0.647-0.807; chance 0.1
+    assert abs(accuracy["fp8"] - accuracy["bf16"]) <= 0.15, accuracy  # measured 0.000 to +0.041
 
     saved, plain = (
         load_file(tmp_path / "fp8" / "model.safetensors"),
