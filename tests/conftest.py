@@ -33,6 +33,16 @@ if (_THREADS := threads_per_worker(_WORKERS, os.environ.get("OMP_NUM_THREADS")))
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """`make test` deals tests to its workers by xdist group (`--dist loadgroup`): a test file is one group, so its
+    module fixtures are built once, unless a test names its own `xdist_group`. test_distributed.py does, for its
+    slowest tests: as one group the file took half the suite's time on one worker while the others idled."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(Path(item.path).stem))
+
+
 def pytest_sessionstart(session):
     """One line (shown with -q too) with the threads each worker's torch gets, on the controller process."""
     config = session.config

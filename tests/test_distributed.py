@@ -46,6 +46,10 @@ REL_TOL = 1e-4
 TIMEOUT = 420
 RANK_REPORT_SCRIPT = "tools/rank_report.py"  # the script, plus what each rank trained with
 RANK_REPORT_DIR = "rank_reports"
+# The slowest tests as two more pytest-xdist groups beside the file's own (tests/conftest.py): `make test` runs them on
+# other workers. Each group builds the module fixtures it uses (the ZeRO-2 run resumed below is launched again there).
+RESUME_GROUP = pytest.mark.xdist_group("test_distributed-resume")
+LAUNCHERS_GROUP = pytest.mark.xdist_group("test_distributed-launchers")
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
@@ -405,6 +409,7 @@ def test_launched_run_is_what_it_says_and_matches_one_process(
 
 
 @pytest.mark.slow
+@LAUNCHERS_GROUP
 def test_final_validation_reuses_the_last_steps_evaluation_on_every_rank(ten_classes, same_head_vit, tmp_path):
     """No test split, an evaluation at the epoch's end (the last step): the final metrics and reports reuse it on both
     ZeRO-3 ranks (parameters sharded: had one rank predicted again alone, the run would hang), and say so."""
@@ -424,6 +429,7 @@ def zero2_run(launched) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 4])
+@RESUME_GROUP
 def test_zero2_checkpoint_resumes_on_another_process_count(processes, zero2_run, ten_classes, same_head_vit, tmp_path):
     """Written by 2 processes, resumed by 1 or 4 with the same global batch: the checkpoint is converted once to
     DeepSpeed's universal format (ds_to_universal, into its own folder) and training continues with the losses of
@@ -471,6 +477,7 @@ def test_a_deepspeed_resume_puts_each_fused_optimizer_step_beside_its_parameter(
 
 
 @pytest.mark.slow
+@LAUNCHERS_GROUP
 def test_two_machines_over_loopback_with_the_slurm_script(ten_classes, new_head_vit, tmp_path):
     """scripts/slurm/train.sbatch with a stand-in `srun` that starts its one task per "node" on this host.
 
@@ -632,6 +639,7 @@ def test_bf16_goes_to_deepspeeds_autocast_and_the_trainers_is_off(launcher, monk
 
 
 @pytest.mark.slow
+@LAUNCHERS_GROUP
 def test_bf16_under_the_shipped_zero2_config_autocasts_over_fp32_weights(ten_classes, same_head_vit, tmp_path):
     """The README's ZeRO-2 command with --bf16 true: DeepSpeed autocasts the forward to bf16 and keeps fp32 weights
     (its bf16 mode would hold bf16 weights, which lose a warm-up's small updates: docs/distributed.md)."""
@@ -786,6 +794,7 @@ def check_saved_lora(out: Path, model_dir: Path, reference) -> None:
 @pytest.mark.parametrize(
     "lora, checkpointing", [(False, True), (True, True), (True, False)], ids=["full", "lora", "lora-no-checkpointing"]
 )
+@LAUNCHERS_GROUP
 def test_fsdp2_config_really_shards_vit(lora, checkpointing, same_head_vit, tmp_path):
     """fsdp.yaml, through `accelerate launch` and accelerate's own FSDP2 preparation, shards every ViT parameter in
     two halves (each layer checkpointed, patch embedding, root) and trains to the single-process losses.
@@ -1024,6 +1033,7 @@ def test_fsdp_wraps_layers_that_exist_in_vit():
 
 
 @pytest.mark.slow
+@RESUME_GROUP
 def test_zero2_killed_mid_checkpoint_then_the_same_command_matches_the_uninterrupted_run(
     zero2_run, ten_classes, same_head_vit, tmp_path
 ):
@@ -1055,6 +1065,7 @@ def test_zero2_killed_mid_checkpoint_then_the_same_command_matches_the_uninterru
 
 
 @pytest.mark.slow
+@RESUME_GROUP
 def test_zero2_sigterm_at_a_random_step_saves_on_both_ranks_and_the_same_command_matches_the_uninterrupted_run(
     zero2_run, ten_classes, same_head_vit, tmp_path
 ):
@@ -1125,6 +1136,7 @@ def accelerate_machine(config: str, machines: int, processes: int, rank: int, po
 
 
 @pytest.mark.slow
+@LAUNCHERS_GROUP
 def test_two_machines_over_loopback_with_the_deepspeed_launcher(ten_classes, same_head_vit, tmp_path):
     """`deepspeed --hostfile ... --no_ssh --node_rank N`, run once per machine as docs/distributed.md says for
     machines without ssh between them: two "machines" of one CPU process each, ZeRO-2, over loopback."""
@@ -1146,6 +1158,7 @@ def test_two_machines_over_loopback_with_the_deepspeed_launcher(ten_classes, sam
 
 
 @pytest.mark.slow
+@LAUNCHERS_GROUP
 def test_two_machines_over_loopback_with_accelerate_launch(ten_classes, same_head_vit, tmp_path):
     """The docs' multi-machine command, run once per machine: accelerate_configs/multinode.yaml (the template users
     copy; ZeRO-3 through the same flags is the SLURM script's test above), two "machines" of one CPU process each."""
@@ -1224,6 +1237,7 @@ def test_deepspeed_launchers_count_of_this_machines_processes_is_read(monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the command as typed, on a machine without GPUs")
+@LAUNCHERS_GROUP
 def test_too_many_processes_for_this_machine_is_one_error_line_not_one_per_process(tmp_path):
     """The README's command as typed on a machine without GPUs: zero3.yaml starts 8 processes, each refuses before
     the process group; local rank 0 alone prints the error (with the fix), the launcher stops the others."""
@@ -1243,6 +1257,7 @@ def test_too_many_processes_for_this_machine_is_one_error_line_not_one_per_proce
 
 
 @pytest.mark.slow
+@LAUNCHERS_GROUP
 def test_processes_past_the_gpus_step_aside_and_the_rest_train_as_one_group_under_accelerate_launch(tmp_path):
     """The zero3 command as typed on a machine of fewer GPUs than its config's 8 processes: it was our line, then
     accelerate's ChildFailedError report (~40 lines). Now the processes past the GPUs exit 0 before any collective,
@@ -1298,6 +1313,7 @@ def fsdp2_two_process_run(same_head_vit, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 4])
+@RESUME_GROUP
 def test_fsdp2_checkpoint_resumes_on_another_process_count(processes, fsdp2_two_process_run, same_head_vit, tmp_path):
     """fsdp.yaml's FULL_STATE_DICT checkpoint (the Trainer's save_fsdp_model + save_fsdp_optimizer: whole tensors,
     written by rank 0), saved by 2 processes, loaded by 1 or 4 (load_fsdp_model + load_fsdp_optimizer, each rank
