@@ -9,8 +9,8 @@ DEMO_OUT ?= outputs/digits-vit
 .PHONY: install demo test test-gpu bench index style quality clean
 
 # Test files run on one worker process per core, at most 4 (pytest-xdist), each file's tests on one worker, in
-# order, so its shared fixtures are built once (test_distributed.py's slowest tests form two more groups: see
-# tests/conftest.py); each worker's torch takes its share of the cores (tests/conftest.py).
+# order, so its shared fixtures are built once (test_distributed.py's slowest tests form two more groups); each
+# worker's torch takes its share of the cores (tests/conftest.py).
 # One process left cores idle while tests waited on launched processes. TEST_WORKERS=1: one process.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 
