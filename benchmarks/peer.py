@@ -56,6 +56,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the meter, without an install
 
+from vit_recipes.errors import first_line  # noqa: E402
 from vit_recipes.flops import peak_flops, training_flops_per_image  # noqa: E402
 from vit_recipes.meter import SpeedMeter  # noqa: E402
 from vit_recipes.timeline import seconds_since_start  # noqa: E402
@@ -143,10 +144,26 @@ def pil_eval_transform(size, mean, std):
     return transform
 
 
+def processor_size(image_processor) -> int | tuple[int, int]:
+    """The example's transform size: the processor's shortest_edge, else its (height, width)."""
+    size = image_processor.size
+    return size["shortest_edge"] if "shortest_edge" in size else (size["height"], size["width"])
+
+
+def flops_per_image(config, image_processor, gradient_checkpointing: bool) -> float | None:
+    """Training FLOPs of one image at the size the example trains at, not the config's image_size: DINOv2's configs
+    say 518 (its position table) where the example crops its processor's 256, which counted over 4x the FLOPs.
+    None (no MFU, said in a line) where the meta-device count cannot run the model at that size."""
+    try:
+        return training_flops_per_image(config, gradient_checkpointing, image_size=processor_size(image_processor))
+    except Exception as err:  # noqa: BLE001 - the count is a report, never a reason to stop the peer's run
+        logger.info("No MFU: counting this model's FLOPs failed (%s)", first_line(err, 200))
+        return None
+
+
 def transforms(image_processor) -> tuple[object, object, str]:
     """The example's train and evaluation transforms and which implementation they are ("torchvision" or "pil")."""
-    size = image_processor.size
-    size = size["shortest_edge"] if "shortest_edge" in size else (size["height"], size["width"])
+    size = processor_size(image_processor)
     mean, std = image_processor.image_mean, image_processor.image_std
     try:
         from torchvision import transforms as tv
@@ -269,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     time_phases(trainer, phases)
     cuda = training.device.type == "cuda"
     peak = peak_flops(torch.cuda.get_device_name(), "bf16" if training.bf16 else "fp32") if cuda else None
-    flops = training_flops_per_image(model.config, training.gradient_checkpointing) if peak else None
+    flops = flops_per_image(model.config, image_processor, training.gradient_checkpointing) if peak else None
     images_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
     meter = SpeedMeter(images_per_step, flops, peak * training.world_size if peak else None)
     attach_meter(trainer, meter)

@@ -552,6 +552,30 @@ def test_peer_pil_transforms_follow_torchvision(monkeypatch):
     assert torch.allclose(centre(wide), resized[:, :, 4:28])
 
 
+def test_peer_counts_flops_at_the_size_its_processor_crops_to():
+    """DINOv2's shape: a config image_size (its position table, 518 on the Hub) larger than the size the example
+    trains at (its processor's shortest_edge, 256). The peer's MFU counted FLOPs at the config's size."""
+    from transformers import BitImageProcessor, Dinov2Config
+
+    from vit_recipes.flops import training_flops_per_image
+
+    peer = load_peer()
+    config = Dinov2Config(image_size=32, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+    processor = BitImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    counted = peer.flops_per_image(config, processor, gradient_checkpointing=False)
+    assert counted == training_flops_per_image(config, False, image_size=16)
+    assert counted < training_flops_per_image(config, False) / 3  # 32 px: 4x the patches, more attention
+    assert peer.processor_size(processor) == 16
+    assert peer.processor_size(BitImageProcessor(size={"height": 12, "width": 20})) == (12, 20)
+    # A model the count cannot run at that size (a ViT does not interpolate its positions): no MFU, the run goes on
+    from conftest import tiny_vit_config
+
+    assert peer.flops_per_image(tiny_vit_config(), processor, gradient_checkpointing=False) is not None  # 16 px
+    vit_at_32 = tiny_vit_config()
+    vit_at_32.image_size = 32
+    assert peer.flops_per_image(vit_at_32, processor, gradient_checkpointing=False) is None
+
+
 def test_peer_pil_transforms_equal_torchvision_for_the_same_seed():
     pytest.importorskip("torchvision")
     import numpy as np
