@@ -289,9 +289,9 @@ def test_corrupt_images_are_skipped_counted_and_reported(tmp_path):
     assert (len(decoded.train), len(decoded.validation), decoded.test["labels"]) == (2, 2, [0])
     assert decoded.skipped == unreadable and decoded.validation["pixels"] == decoded.train["pixels"]
     assert decoded.notes == [  # the changes made to the data, which the log and the model card list
-        "train: 2 image(s) skipped (not found or unreadable)",
-        "validation: 2 image(s) skipped (not found or unreadable)",
-        "test: 1 image(s) skipped (not found or unreadable)",
+        "train: 2 image(s) skipped (not found, too large or unreadable)",
+        "validation: 2 image(s) skipped (not found, too large or unreadable)",
+        "test: 1 image(s) skipped (not found, too large or unreadable)",
     ]
     data_module.write_skipped(decoded, str(tmp_path))
     assert json.loads((tmp_path / "skipped_images.json").read_text()) == unreadable

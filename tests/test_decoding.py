@@ -155,6 +155,34 @@ def test_an_unreadable_image_in_a_batch_is_replaced_logged_and_recorded(photos, 
         DecodingCollator((16, 16), 255.0, "image")(rows[1:3])
 
 
+def test_a_jpeg_over_pils_bomb_limit_decodes_at_reduced_scale_and_another_image_is_named_too_large(
+    photos, tmp_path, monkeypatch
+):
+    """PIL refuses images over 2x Image.MAX_IMAGE_PIXELS (179 MP: a 200 MP phone photo) before decoding them. A JPEG
+    decodes at 1/8 scale (draft), so it opens anyway; a PNG over it is skipped as "too large", not "unreadable"."""
+    from vit_recipes.images import ImageTooLarge, decode_to_chw, probe
+
+    pixels = np.random.default_rng(0).integers(0, 256, size=(48, 64, 3), dtype=np.uint8)
+    jpeg, big_png = io.BytesIO(), png(pixels)
+    PILImage.fromarray(pixels).save(jpeg, format="JPEG")
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 1000)  # 3,072 px: over twice the limit, an eighth within it
+    with pytest.raises(PILImage.DecompressionBombError):
+        PILImage.open(io.BytesIO(jpeg.getvalue()))
+    array, _ = decode_to_chw({"bytes": jpeg.getvalue(), "path": None}, 16, 16)
+    assert array.shape == (3, 16, 16) and array.std() > 0
+    assert probe({"bytes": jpeg.getvalue(), "path": None}) == ((64, 48), None)
+    with pytest.raises(ImageTooLarge, match="64x48 px, over PIL's limit of 2000 px"):
+        decode_to_chw({"bytes": big_png, "path": None}, 16, 16)
+    assert PILImage.MAX_IMAGE_PIXELS == 1000  # the guard is back
+
+    rows = [splits_of(photos).train[i] for i in range(3)]
+    rows[0] = {**rows[0], "image": {"path": None, "bytes": jpeg.getvalue()}}
+    rows[1] = {**rows[1], "image": {"path": None, "bytes": big_png}}
+    batch = DecodingCollator((16, 16), 255.0, "image", str(tmp_path / decoding.SKIPPED_DURING_RUN))(rows)
+    assert batch["pixel_values"].shape == (3, 3, 16, 16)
+    assert decoding.skipped_during_run(str(tmp_path)) == [{"image": None, "problem": "too large"}]
+
+
 # ------------------------------------------------------------------------------------------------- disk room
 
 

@@ -27,7 +27,7 @@ from datasets.fingerprint import Hasher
 
 from .data import LABELS, PIXELS, ImageSplits
 from .errors import RecipeError
-from .images import decode_to_chw, image_path, probe, stored_size, white_level
+from .images import LOST, decode_to_chw, image_path, probe, problem_of, stored_size, white_level
 from .launch import env_int
 from .streaming import is_stream
 
@@ -149,7 +149,7 @@ def _decode_batch(batch, image_column: str, height: int, width: int, white: floa
             problems.append(done)
         except Exception as err:  # corrupt/truncated/unsupported: skip and name it (see module docstring)
             pixels.append(b"")
-            problems.append("not found" if isinstance(err, FileNotFoundError) else "unreadable")
+            problems.append(problem_of(err))
     return {PIXELS: pixels, "problem": problems}
 
 
@@ -221,13 +221,13 @@ def decode_datasets(
         if tags["first frame"]:
             notes.append(f"{name}: {tags['first frame']} animated or multi-frame image(s): the first frame is used")
             logger.warning(notes[-1])
-        bad = [i for i, problem in enumerate(problems) if problem in ("not found", "unreadable")]
+        bad = [i for i, problem in enumerate(problems) if problem in LOST]
         values = dataset.select(bad)[image_column] if bad else []
         paths = [image_path(value) for value in values]
         if lost := [{"row": row, "image": path, "problem": problems[row]} for row, path in zip(bad, paths)]:
             listed = [f"{item['image'] or 'row ' + str(item['row'])} ({item['problem']})" for item in lost]
             more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
-            notes.append(f"{name}: {len(lost)} image(s) skipped (not found or unreadable)")
+            notes.append(f"{name}: {len(lost)} image(s) skipped (not found, too large or unreadable)")
             logger.warning("Skipped %d image(s) in split '%s': %s%s", len(lost), name, ", ".join(listed[:10]), more)
             decoded = decoded.select(sorted(set(range(len(problems))).difference(bad)))
             if len(decoded) == 0:
@@ -312,7 +312,7 @@ class DecodingCollator:
             try:
                 pixels[i] = torch.from_numpy(decode_to_chw(row[self.image_column], *self.shape, self.white)[0])
             except Exception as err:  # corrupt/truncated/missing: replaced below, and reported
-                bad.append((i, "not found" if isinstance(err, FileNotFoundError) else "unreadable"))
+                bad.append((i, problem_of(err)))
         if bad:
             rows = self._replace(rows, pixels, bad)
         return {"pixel_values": pixels, **_labels(rows)}

@@ -18,6 +18,39 @@ def _file(value):
     return io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value
 
 
+class ImageTooLarge(ValueError):
+    """Over PIL's decompression-bomb limit, and not a JPEG that decoding at reduced scale brings within it."""
+
+
+def _open(value) -> Image.Image:
+    """Image.open. PIL refuses any image over twice `Image.MAX_IMAGE_PIXELS` (its decompression-bomb guard, 179 MP)
+    before decoding it, a 200-megapixel phone photo included. A JPEG decodes at down to 1/8 scale here (draft, in
+    decode_to_chw), so one whose eighth is within the limit opens anyway; any other is ImageTooLarge ("too large")."""
+    try:
+        return Image.open(_file(value))
+    except Image.DecompressionBombError as err:
+        limit = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None  # this process's guard, lifted for one header read
+        try:
+            image = Image.open(_file(value))
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+        if image.format == "JPEG" and image.width * image.height <= 64 * limit:
+            return image
+        image.close()
+        raise ImageTooLarge(f"{image.width}x{image.height} px, over PIL's limit of {2 * limit} px") from err
+
+
+LOST = ("not found", "too large", "unreadable")  # why an image was skipped (problem_of)
+
+
+def problem_of(err: BaseException) -> str:
+    """Why an image could not be decoded, as skipped_images.json and predictions.csv name it (one of LOST)."""
+    if isinstance(err, FileNotFoundError):
+        return "not found"
+    return "too large" if isinstance(err, ImageTooLarge) else "unreadable"
+
+
 def image_path(value) -> str | None:
     """The file a datasets Image value points at (None for an image stored as bytes)."""
     return value.get("path") if isinstance(value, dict) else None
@@ -56,7 +89,7 @@ def to_rgb(image: Image.Image, white: float | None = None) -> Image.Image:
 def decode_to_chw(value, height: int, width: int, white: float | None = None) -> tuple[np.ndarray, str]:
     """A datasets Image value, bytes or path as RGB fitted to (3, height, width) uint8, and what was done to fit it:
     "" (nothing), or comma-separated "resized", "cropped" (over half its area cut to fit the shape), "first frame"."""
-    image = Image.open(_file(value))
+    image = _open(value)
     done = ["first frame"] if getattr(image, "n_frames", 1) > 1 else []  # PIL decodes frame 0 of a GIF/WebP/TIFF
     if image.format == "JPEG":  # decode at 1/2, 1/4 or 1/8 scale where that still covers the shape (DCT scaling),
         scale = max(width, height) / min(image.size)  # in either orientation (EXIF may rotate it next)
@@ -72,5 +105,5 @@ def decode_to_chw(value, height: int, width: int, white: float | None = None) ->
 
 def probe(value) -> tuple[tuple[int, int], float | None]:
     """(width, height) from the header, and the largest pixel value of a high-bit-depth image (None for 8 bits)."""
-    with Image.open(_file(value)) as image:
+    with _open(value) as image:
         return image.size, float(np.asarray(image).max(initial=0)) if image.mode in HIGH_BIT_MODES else None
