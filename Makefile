@@ -9,8 +9,8 @@ DEMO_OUT ?= outputs/digits-vit
 .PHONY: install demo test test-gpu bench index style quality clean
 
 # Test files run on one worker process per core, at most 4 (pytest-xdist), each file's tests on one worker, in
-# order, so its shared fixtures are built once (test_distributed.py's slowest tests form two more groups); each
-# worker's torch takes its share of the cores (tests/conftest.py).
+# order, so its shared fixtures are built once (test_distributed.py's slowest tests form two more groups), the
+# slowest groups first; each worker's torch takes its share of the cores (tests/conftest.py).
 # One process left cores idle while tests waited on launched processes. TEST_WORKERS=1: one process.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 
@@ -39,7 +39,7 @@ demo: .installed
 test: .installed-test
 	@$(PYTHON) -c "from importlib.metadata import version as v; print('resolved:', ', '.join(f'{p} {v(p)}' for p in \
 		('torch transformers datasets accelerate peft evaluate huggingface_hub deepspeed safetensors pillow numpy pyarrow'.split())))"
-	$(PYTHON) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PYTHON) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The GPU acceptance suite (docs/development.md): every strategy, checkpoint path and one-GPU feature on this
 # machine's GPUs, written to benchmarks/results/<date>_acceptance_<gpus>x<card>/. PARTS=strategies,kill picks parts.

@@ -101,12 +101,18 @@ def deepspeed_shm_buffers() -> set[str]:
     return set(glob.glob(SHM_BUFFER_PREFIX + "*")) - mapped
 
 
+PORTS: list[int] = []  # every port free_port handed out in this process, in order
+
+
 @pytest.fixture(autouse=True)
 def _no_shared_memory_left_behind():
-    """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm unless the script removes it at exit."""
-    before = deepspeed_shm_buffers()
+    """DeepSpeed's CPU all-reduce leaves a 69 MB buffer per rank in /dev/shm unless the script removes it at exit.
+    Only this test's runs' buffers count (DeepSpeed names each after its run's master port, which free_port gave):
+    a test on another worker may leave a killed run's buffers for that run's next start to remove."""
+    before, first = deepspeed_shm_buffers(), len(PORTS)
     yield
-    left = deepspeed_shm_buffers() - before
+    ours = [f"_{port}_" for port in PORTS[first:]]
+    left = {name for name in deepspeed_shm_buffers() - before if any(port in name for port in ours)}
     assert not left, f"DeepSpeed shared-memory buffers left behind: {sorted(left)}"
 
 
@@ -157,7 +163,8 @@ def run_args(data, model, out, *extra, steps=STEPS):
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        PORTS.append(s.getsockname()[1])
+        return PORTS[-1]
 
 
 def tool(name: str) -> str:
