@@ -50,7 +50,12 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(Path(item.path).stem))
     rank = {name: i for i, name in enumerate(SLOWEST_GROUPS)}
-    items.sort(key=lambda item: rank.get(item.get_closest_marker("xdist_group").args[0], len(rank)))  # stable
+
+    def group(item) -> str:  # xdist_group("name") or xdist_group(name="name"), as pytest-xdist reads it
+        mark = item.get_closest_marker("xdist_group")
+        return mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+
+    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable
 
 
 def pytest_sessionstart(session):
