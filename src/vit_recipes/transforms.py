@@ -211,8 +211,7 @@ def autocontrast(x: Tensor, m: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=1024)
 def _arange(stop: int, step: int, device: torch.device) -> Tensor:
-    """torch.arange(0, stop, step) on `device`, made once per size: equalize and random erasing need some per call
-    (each a launch at every step)."""
+    """torch.arange(0, stop, step) on `device`, made once per size: equalize needs a few per call (launches)."""
     return torch.arange(0, stop, step, device=device)
 
 
@@ -354,7 +353,7 @@ def random_erase(x: Tensor, prob: float, attempts: int = 10, generator: torch.Ge
     h, w = h.gather(1, first[:, None]).squeeze(1), w.gather(1, first[:, None]).squeeze(1)
     erase = found & (u[:, -1] < prob)
     top, left = (((size - side + 1) * v).floor() for size, side, v in ((height, h, u[:, -3]), (width, w, u[:, -2])))
-    rows, cols = _arange(height, 1, x.device), _arange(width, 1, x.device)
+    rows, cols = torch.arange(height, device=x.device), torch.arange(width, device=x.device)
     inside_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])
     inside_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])
     box = erase[:, None, None, None] & inside_rows[:, None, :, None] & inside_cols[:, None, None, :]
