@@ -190,6 +190,30 @@ def tiny_vit(tmp_path_factory) -> Path:
     return save_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
 
 
+@pytest.fixture(autouse=True)
+def logging_left_as_found():
+    """Undo what an in-process run does to its process's logging, so that no test sees an earlier test's.
+
+    setup_logging gives the root logger a handler on the sys.stdout of the moment (in a test, pytest's capture,
+    closed when the test ends) and sets transformers' and datasets' verbosity from --log_level. Left behind, a later
+    test's records went to the closed stream ("--- Logging error ---" in its stderr) at INFO: on CI, where transformers
+    propagates its records to the root logger (it does when the CI variable is set), this failed the one-line error
+    checks. A library handler made while a capture was open is pointed back at stderr the same way."""
+    import logging
+
+    root = logging.getLogger()
+    levels = {name: logging.getLogger(name).level for name in ("", "transformers", "datasets")}
+    yield
+    for handler in [h for h in root.handlers if type(h) is logging.StreamHandler]:  # pytest's are subclasses
+        root.removeHandler(handler)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler and getattr(handler.stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+                vars(handler).pop("flush", None)  # transformers binds flush to the stderr it was made with
+
+
 @pytest.fixture
 def run_script():
     """Run the script in-process (imports are paid once) and return its results dict."""

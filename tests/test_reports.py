@@ -140,6 +140,7 @@ def test_the_figure_process_draws_what_the_run_would_and_reports_its_failure(tmp
                for s in range(1, 11)] + [{"eval_loss": 1.0, "eval_accuracy": 0.5, "step": 10, "epoch": 1.0}]  # fmt: skip
     matrix = np.array([[3, 1], [0, 4]])
     here, child = tmp_path / "here", tmp_path / "child"
+    child.mkdir()  # a run's output folder exists before its figures: the two children do not wait for each other
     write_plots(history, str(here), 0.1)
     plot_confusion_matrix(matrix, ["cat", "dog"], str(here / "cm.png"), "t")
     figures = FigureProcess()  # started before the history exists, as a run starts it with training
