@@ -298,6 +298,7 @@ class Launched:
     expect: dict  # rank-report field -> value, on every rank
     params_sharded: bool
     optimizer_sharded: bool
+    says: str = ""  # a line the run's output must hold
 
 
 ZERO2 = Launched(  # checkpoints at steps 10 and 20: the ZeRO-2 resume tests start from 10
@@ -335,7 +336,10 @@ LAUNCHED = [
     ),
     ZERO2,
     Launched(
-        "zero3-deepspeed-ckpt",  # gradient checkpointing
+        # Gradient checkpointing; an evaluation at the epoch's end (--max_steps 20 stops mid-epoch: at the last step),
+        # which the final metrics and reports reuse on both ranks. Parameters are sharded: had one rank predicted
+        # again alone, the run would hang. The reused metrics equal the reloaded model's (assert_reloads...).
+        "zero3-deepspeed-ckpt-eval",
         lambda tmp: deepspeed(),
         lambda tmp: (
             "--deepspeed",
@@ -344,10 +348,15 @@ LAUNCHED = [
             4,
             "--gradient_checkpointing",
             "true",
+            "--eval_strategy",
+            "epoch",
+            "--log_level",
+            "info",
         ),
         {"wrapper": DS_ENGINE, "zero_stage": 3, "gradient_checkpointing": True, "zero3_leaf_modules": ["ViTLayer"]},
         params_sharded=True,
         optimizer_sharded=True,
+        says="Final validation metrics and reports reuse the evaluation at step 20",
     ),
     Launched(
         "zero2-offload-deepspeed",
@@ -392,7 +401,8 @@ def launched(ten_classes, same_head_vit, tmp_path_factory):
         if case.id not in outs:
             tmp = tmp_path_factory.mktemp(case.id)
             out = tmp / case.id
-            launch(case.id, case.launcher(tmp) + run_args(ten_classes, same_head_vit, out, *case.extra(tmp)))
+            result = launch(case.id, case.launcher(tmp) + run_args(ten_classes, same_head_vit, out, *case.extra(tmp)))
+            (tmp / "output.txt").write_text(result.stdout + result.stderr)
             outs[case.id] = out
         return outs[case.id]
 
@@ -415,20 +425,8 @@ def test_launched_run_is_what_it_says_and_matches_one_process(
     assert_sharded(found, params=case.params_sharded, optimizer=case.optimizer_sharded)
     assert_parity(out, baseline)
     assert_reloads_and_scores_the_same(out, ten_classes, tmp_path, run_script)
-
-
-@pytest.mark.slow
-@LAUNCHERS_GROUP
-def test_final_validation_reuses_the_last_steps_evaluation_on_every_rank(ten_classes, same_head_vit, tmp_path):
-    """No test split, an evaluation at the epoch's end (the last step): the final metrics and reports reuse it on both
-    ZeRO-3 ranks (parameters sharded: had one rank predicted again alone, the run would hang), and say so."""
-    out = tmp_path / "reused"
-    extra = ("--deepspeed", "ds_configs/zero3.json", "--per_device_train_batch_size", 4, "--eval_strategy", "epoch",
-             "--log_level", "info")  # fmt: skip
-    result = launch("reused", deepspeed() + run_args(ten_classes, same_head_vit, out, *extra, steps=4))
-    assert "Final validation metrics and reports reuse the evaluation at step" in result.stdout + result.stderr
+    assert case.says in (out.parent / "output.txt").read_text()
     assert (out / "per_class_accuracy_validation.csv").is_file()
-    assert json.loads((out / "eval_results.json").read_text())["eval_accuracy"] >= 0
 
 
 @pytest.fixture(scope="module")
@@ -745,6 +743,17 @@ def test_fsdp_turns_gradient_checkpointing_into_its_own(monkeypatch):
     assert not args.training.gradient_checkpointing  # no second checkpointing pass inside FSDP's
 
 
+FSDP2_WORKER = "tests/fsdp2_cpu_worker.py"
+FSDP2_RESUME_STEPS, FSDP2_SAVED_AT = 6, 3
+
+
+def fsdp2_worker(checkpointing: bool, processes: int = 2) -> list[str]:
+    """fsdp.yaml launching the FSDP2 worker; --fsdp_activation_checkpointing is what --gradient_checkpointing turns on
+    (strategy.py; tested above)."""
+    return accelerate("fsdp.yaml", "--mixed_precision", "no", "--fsdp_activation_checkpointing",
+                      str(checkpointing).lower(), processes=processes, script=FSDP2_WORKER)  # fmt: skip
+
+
 def single_process_run(model_dir: Path, steps: int, lora: bool = False):
     """The FSDP2 worker's loop in one process on the whole batch: the reference its sharded losses (and, with LoRA,
     its saved adapter) must match. Returns the losses and the trained model."""
@@ -800,11 +809,13 @@ def check_saved_lora(out: Path, model_dir: Path, reference) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "lora, checkpointing", [(False, True), (True, True), (True, False)], ids=["full", "lora", "lora-no-checkpointing"]
-)
-@LAUNCHERS_GROUP
-def test_fsdp2_config_really_shards_vit(lora, checkpointing, same_head_vit, tmp_path):
+@pytest.mark.parametrize(  # the full row reads the resume tests' run (fsdp2_two_process_run): launched once
+    "lora, checkpointing",
+    [pytest.param(False, True, id="full", marks=[RESUME_GROUP]),
+     pytest.param(True, True, id="lora", marks=[LAUNCHERS_GROUP]),
+     pytest.param(True, False, id="lora-no-checkpointing", marks=[LAUNCHERS_GROUP])],
+)  # fmt: skip
+def test_fsdp2_config_really_shards_vit(lora, checkpointing, same_head_vit, tmp_path, request):
     """fsdp.yaml, through `accelerate launch` and accelerate's own FSDP2 preparation, shards every ViT parameter in
     two halves (each layer checkpointed, patch embedding, root) and trains to the single-process losses.
 
@@ -815,23 +826,15 @@ def test_fsdp2_config_really_shards_vit(lora, checkpointing, same_head_vit, tmp_
     merged. With FSDP's activation checkpointing, peft saved the head alone on 2 H200s (the merge then failed: "missing
     adapter keys"); the same happened here until ImageClassificationTrainer._save saved through adapters.without_activation_wrappers.
     """
-    config = "fsdp.yaml"
-    steps = 4
-    launch(
-        f"FSDP2 layout with {config}",
-        # --fsdp_activation_checkpointing: what --gradient_checkpointing turns on (strategy.py; tested above)
-        accelerate(
-            config,
-            "--mixed_precision",
-            "no",
-            "--fsdp_activation_checkpointing",
-            str(checkpointing).lower(),
-            script="tests/fsdp2_cpu_worker.py",
+    if lora:
+        steps, out = 4, tmp_path
+        launch(
+            "FSDP2 layout with fsdp.yaml",
+            fsdp2_worker(checkpointing) + [str(same_head_vit), str(out), str(steps), "lora"],
         )
-        + [str(same_head_vit), str(tmp_path), str(steps)]
-        + (["lora"] if lora else []),
-    )
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    else:
+        steps, out = FSDP2_RESUME_STEPS, request.getfixturevalue("fsdp2_two_process_run")
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     expected, reference = single_process_run(same_head_vit, steps, lora)
     for report in reports:
         assert report["world_size"] == 2 and report["wrap_classes"] == ["ViTLayer"]
@@ -851,7 +854,7 @@ def test_fsdp2_config_really_shards_vit(lora, checkpointing, same_head_vit, tmp_
         if lora:
             assert report["saved"] == ["adapter", "merged"]
     if lora:
-        check_saved_lora(tmp_path, same_head_vit, reference)
+        check_saved_lora(out, same_head_vit, reference)
 
 
 def test_fsdp_wrap_list_holding_the_embedding_is_refused(monkeypatch):
@@ -1303,17 +1306,15 @@ def test_processes_past_the_gpus_step_aside_and_the_rest_train_as_one_group_unde
             check_processes(use_cpu=False)
 
 
-FSDP2_WORKER = "tests/fsdp2_cpu_worker.py"
-FSDP2_RESUME_STEPS, FSDP2_SAVED_AT = 6, 3
-
-
 @pytest.fixture(scope="module")
 def fsdp2_two_process_run(same_head_vit, tmp_path_factory) -> Path:
-    """fsdp.yaml in 2 processes, 6 steps uninterrupted, saving the Trainer's FSDP checkpoint after step 3 on the way."""
+    """fsdp.yaml in 2 processes with activation checkpointing, 6 steps uninterrupted, saving the Trainer's FSDP
+    checkpoint after step 3 on the way: the full row of test_fsdp2_config_really_shards_vit, and what the resume tests
+    resume (without checkpointing: its wrappers do not show in the saved names)."""
     out = tmp_path_factory.mktemp("fsdp2-two")
     launch(
         "FSDP2 run saving a checkpoint",
-        accelerate("fsdp.yaml", "--mixed_precision", "no", script=FSDP2_WORKER)
+        fsdp2_worker(checkpointing=True)
         + [str(same_head_vit), str(out), str(FSDP2_RESUME_STEPS)]
         + ["--save-at", str(FSDP2_SAVED_AT), "--checkpoint", str(out / "checkpoint")],
     )
@@ -1338,7 +1339,7 @@ def test_fsdp2_checkpoint_resumes_on_another_process_count(processes, fsdp2_two_
     }
     launch(
         f"FSDP2 from 2 processes resumed on {processes}",
-        accelerate("fsdp.yaml", "--mixed_precision", "no", processes=processes, script=FSDP2_WORKER)
+        fsdp2_worker(checkpointing=False, processes=processes)
         + [str(same_head_vit), str(tmp_path), str(FSDP2_RESUME_STEPS), "--resume-from", str(checkpoint)],
     )
     uninterrupted = json.loads((fsdp2_two_process_run / "rank0.json").read_text())
