@@ -645,19 +645,6 @@ def test_bf16_goes_to_deepspeeds_autocast_and_the_trainers_is_off(launcher, monk
     assert deepspeed_config()["torch_autocast"] == config["torch_autocast"]  # what ZeRO-3's model init reads
 
 
-@pytest.mark.slow
-@LAUNCHERS_GROUP
-def test_bf16_under_the_shipped_zero2_config_autocasts_over_fp32_weights(ten_classes, same_head_vit, tmp_path):
-    """The README's ZeRO-2 command with --bf16 true: DeepSpeed autocasts the forward to bf16 and keeps fp32 weights
-    (its bf16 mode would hold bf16 weights, which lose a warm-up's small updates: docs/distributed.md)."""
-    out = tmp_path / "zero2-bf16"
-    args = run_args(ten_classes, same_head_vit, out, "--deepspeed", "ds_configs/zero2.json",
-                    "--per_device_train_batch_size", 4, "--bf16", "true", steps=4)  # fmt: skip
-    launch("zero2 --bf16 true", deepspeed() + args)
-    for r in reports(out):
-        assert (r["precision"], r["param_dtype"], r.get("deepspeed_autocast")) == ("bf16", "float32", "bfloat16"), r
-
-
 def test_fp16_on_the_cpu_is_refused():
     with pytest.raises(RecipeError, match="fp16 needs a GPU"):
         check("--use_cpu", "true", "--fp16", "true")
@@ -1149,14 +1136,19 @@ def accelerate_machine(config: str, machines: int, processes: int, rank: int, po
 
 @pytest.mark.slow
 @LAUNCHERS_GROUP
-def test_two_machines_over_loopback_with_the_deepspeed_launcher(ten_classes, same_head_vit, tmp_path):
+def test_two_machines_over_loopback_with_the_deepspeed_launcher_and_bf16_autocast(
+    ten_classes, same_head_vit, tmp_path
+):
     """`deepspeed --hostfile ... --no_ssh --node_rank N`, run once per machine as docs/distributed.md says for
-    machines without ssh between them: two "machines" of one CPU process each, ZeRO-2, over loopback."""
+    machines without ssh between them: two "machines" of one CPU process each, ZeRO-2, over loopback.
+
+    With --bf16 true under the shipped zero2.json, DeepSpeed autocasts the forward to bf16 and keeps fp32 weights (its
+    bf16 mode would hold bf16 weights, which lose a warm-up's small updates: docs/distributed.md)."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-1 slots=1\nnode-2 slots=1\n")  # names only: --no_ssh never reaches them
     out = tmp_path / "two-nodes"
     args = run_args(ten_classes, same_head_vit, out, "--deepspeed", "ds_configs/zero2.json",
-                    "--per_device_train_batch_size", 4, steps=2)  # fmt: skip
+                    "--per_device_train_batch_size", 4, "--bf16", "true", steps=2)  # fmt: skip
     port = free_port()
     launch_machines(
         "deepspeed --no_ssh, 2 machines x 1 process",
@@ -1165,6 +1157,7 @@ def test_two_machines_over_loopback_with_the_deepspeed_launcher(ten_classes, sam
     found = reports(out)
     for r in found:
         assert r["zero_stage"] == 2 and r["wrapper"] == DS_ENGINE and r["backend"] == "gloo", r
+        assert (r["precision"], r["param_dtype"], r.get("deepspeed_autocast")) == ("bf16", "float32", "bfloat16"), r
     assert_sharded(found, params=False, optimizer=True)
     assert set(load_file(out / "model.safetensors")) == set(load_file(same_head_vit / "model.safetensors"))
 
