@@ -434,11 +434,13 @@ def zero2_run(launched) -> Path:
     return launched(ZERO2)
 
 
+# Resumed on 4 processes, the count a 2-GPU acceptance host cannot run; the same conversion and load on fewer (all
+# -> 1) is proven by the GPU acceptance suite's `resume` part (a CPU row for 1 process cost CI ~25 s more).
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 4])
+@pytest.mark.parametrize("processes", [4])
 @RESUME_GROUP
 def test_zero2_checkpoint_resumes_on_another_process_count(processes, zero2_run, ten_classes, same_head_vit, tmp_path):
-    """Written by 2 processes, resumed by 1 or 4 with the same global batch: the checkpoint is converted once to
+    """Written by 2 processes, resumed by 4 with the same global batch: the checkpoint is converted once to
     DeepSpeed's universal format (ds_to_universal, into its own folder) and training continues with the losses of
     the uninterrupted 2-process run."""
     out = tmp_path / "resumed"
@@ -1315,14 +1317,14 @@ def fsdp2_two_process_run(same_head_vit, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 4])
+@pytest.mark.parametrize("processes", [4])  # on 1 (all -> 1): the GPU acceptance suite's `resume` part, as for ZeRO-2
 @RESUME_GROUP
 def test_fsdp2_checkpoint_resumes_on_another_process_count(processes, fsdp2_two_process_run, same_head_vit, tmp_path):
     """fsdp.yaml's FULL_STATE_DICT checkpoint (the Trainer's save_fsdp_model + save_fsdp_optimizer: whole tensors,
-    written by rank 0), saved by 2 processes, loaded by 1 or 4 (load_fsdp_model + load_fsdp_optimizer, each rank
-    keeping its own shard) with the same global batch: steps 4-6 give the uninterrupted run's losses.
+    written by rank 0), saved by 2 processes, loaded by 4 (load_fsdp_model + load_fsdp_optimizer, each rank keeping
+    its own shard) with the same global batch: steps 4-6 give the uninterrupted run's losses.
 
-    Measured: 1 process bit-identical, 4 within 1.1e-7. Not loading the optimizer state moves step 5 by 1.2%;
+    Measured: 1 process bit-identical (when it had a row here), 4 within 1.1e-7. Not loading the optimizer state moves step 5 by 1.2%;
     resetting Adam's step count alone, by 0.3%: the tolerance sees a resume that loses either."""
     checkpoint = fsdp2_two_process_run / "checkpoint"
     assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= {p.name for p in checkpoint.iterdir()}
