@@ -33,8 +33,8 @@ if (_THREADS := threads_per_worker(_WORKERS, os.environ.get("OMP_NUM_THREADS")))
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
-# The groups `make test` deals first, longest first (seconds on 2 cores, 2026-11-28: ~260, ~235, ~125, ~120, ~95,
-# ~70, ~55, ~40); the rest follow in file order. Dealt last, as pytest-xdist's own order (by test count) put these
+# The groups `make test` deals first, longest first (seconds on 2 cores, 2026-11-28: ~230, ~155, ~135, ~120, ~100,
+# ~90, ~65, ~55); the rest follow in file order. Dealt last, as pytest-xdist's own order (by test count) put these
 # few-test groups, one worker ran them alone at the end. A stale entry costs time, never a test.
 SLOWEST_GROUPS = ("test_distributed-resume", "test_distributed-launchers", "test_checkpoints", "test_distributed",
                   "test_benchmarks", "test_script", "test_streaming", "test_fp8")  # fmt: skip
