@@ -269,7 +269,7 @@ def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> 
         writer.writerow(["file", *header, "problem"])
         for file, row, best in zip(decoded["file"], scores, chosen):
             writer.writerow([file, ";".join(names[i] for i in best), ";".join(f"{row[i]:.6f}" for i in best), ""])
-        for item in skipped:  # missing or unreadable files stay visible in the output
+        for item in skipped:  # missing, too large or unreadable files stay visible in the output
             writer.writerow([images[item["row"]]["file"], "", "", item["problem"]])
     logger.info("Wrote %d predictions to %s", len(decoded) + len(skipped), path)
 
