@@ -15,6 +15,10 @@ and datasets caches: a new machine) and warm (the same command again, into a new
   (auto: per-batch decoding for photos); `ours-once` adds `--decode_images once` (the decoded copy: the steady img/s
   the per-batch path must reach, and its disk). The peer reads the folder by --train_dir/--validation_dir.
 - photos-epoch: the same folder, one whole epoch (`--num_train_epochs 1`), the validation split evaluated at its end.
+- stream8, stream1, stream1-rg100: the photos200 job with `--streaming` on the same folder written again as parquet
+  files of image bytes, as Hub datasets come (tools/jpeg_folder.py --parquet): train in 8 files of one row group
+  each, in 1 file of one row group, and in 1 file of 100-row groups. Their steady img/s and data wait against the
+  folder's (photos200-ours, same call): a stream must not decode slower because it has few files.
 
 `ours-compiled` runs (`--torch_compile_regions true`, cold then warm) measure what regional compilation costs once
 and saves per step: the data behind the default's "compile only where it pays" rule. `ours-after-compiled` is the
@@ -80,7 +84,10 @@ JOBS = {  # job -> (our arguments after the recipe, the peer's arguments for the
          "--eval_strategy", "no", "--save_strategy", "no", "--do_eval", "true"],
     ),
 }  # fmt: skip
-PHOTO_JOBS = ("photos200", "photos-epoch")  # on the folder of JPEG photos, with PHOTOS_RECIPE; the others: CIFAR-100
+STREAMS = {"stream8": (8, None), "stream1": (1, None), "stream1-rg100": (1, 100)}  # train files, rows per row group
+for _job in STREAMS:  # the photos200 job streamed (a stream's epoch length is unknown: no epoch-based strategies)
+    JOBS[_job] = (["--max_steps", "200", "--streaming", "true", "--eval_strategy", "no", "--save_strategy", "no"], [])
+PHOTO_JOBS = ("photos200", "photos-epoch", *STREAMS)  # on the JPEG photos (or their parquet), with PHOTOS_RECIPE
 PEER_COMMON = ["--do_train", "true", "--bf16", "true", "--learning_rate", "1e-4", "--lr_scheduler_type", "cosine",
                "--logging_steps", "50", "--seed", "42", "--disable_tqdm", "true"]  # fmt: skip
 # The order runs go in: what the README's table needs first, so a budget cut leaves the least important out.
@@ -93,6 +100,7 @@ PLAN = [
     ("steps200", "peer", 8, "cold"), ("epoch", "peer", 8, "cold"),
     ("photos200", "peer", 16, "cold"), ("photos200", "ours", None, "cold"), ("photos200", "ours-once", None, "cold"),
     ("photos-epoch", "peer", 16, "cold"), ("photos-epoch", "ours", None, "cold"),
+    *[(job, "ours", None, "cold") for job in STREAMS],
 ]  # fmt: skip
 
 
@@ -121,6 +129,8 @@ class Run:
 def argv_of(run: Run, assets: Path, out: Path, photos: Path | None = None) -> list[str]:
     ours, peer = JOBS[run.job]
     dataset = str(photos) if run.on_photos else str(assets / "cifar100")
+    if run.job in STREAMS:
+        dataset = str(stream_folder(photos, run.job))
     data = ["--model_name_or_path", str(assets / "vit-base"), "--dataset_name", dataset]
     if run.who == "peer":  # the job's arguments (and --extra) last: they win
         peer_args = common.peer_args(str(assets / "vit-base"), dataset, str(out), run.workers)
@@ -148,6 +158,21 @@ def photos_folder(work: Path, images: int) -> Path:
         written = write_folder(folder, images, 100)
         print(f"[wall_clock] wrote {images} JPEGs, {written / 2**30:.2f} GiB, in {time.time() - start:.0f} s")
     return folder
+
+
+def stream_folder(photos: Path, job: str) -> Path:
+    return photos.with_name(f"{photos.name}_{job}")
+
+
+def stream_folders(photos: Path, jobs: set[str]) -> None:
+    """The photos folder as each stream job's parquet files (tools/jpeg_folder.py --parquet), written when missing."""
+    from tools.jpeg_folder import write_parquet
+
+    for job in sorted(jobs):
+        if not (folder := stream_folder(photos, job)).is_dir():
+            start = time.time()
+            written = write_parquet(photos, folder, *STREAMS[job])
+            print(f"[wall_clock] wrote {folder.name}, {written / 2**30:.2f} GiB, in {time.time() - start:.0f} s")
 
 
 def execute(run: Run, assets: Path, work: Path, timeout: float, photos: Path | None = None) -> None:
@@ -201,6 +226,13 @@ def byte_compile(work: Path) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- record
+def speed_of_folder(run: dict, runs: list[dict]) -> str:
+    """A stream job's steady img/s over the folder's (photos200-ours, same call)."""
+    folder = next((r for r in runs if r["job"] == "photos200" and r["who"] == "ours" and r["exit"] == 0), None)
+    mine, theirs = (r and r["metrics"].get("train_images_per_second") for r in (run, folder))
+    return f"{mine / theirs:.0%}" if run["job"] in STREAMS and mine and theirs else ""
+
+
 def ratio(run: dict, runs: list[dict]) -> str:
     peer = next((r for r in runs if r["job"] == run["job"] and r["who"] == "peer" and r["workers"] == 16), None)
     if not (peer and peer["wall_s"] and run["wall_s"] and peer["exit"] == 0 and run["exit"] == 0):
@@ -219,17 +251,20 @@ def write_markdown(record: dict, out: Path) -> None:
              "Wall clock: process start to exit, measured outside the process. x peer: over the 16-worker peer's wall "
              "clock for the same job. Phases (seconds) from each run's all_results.json; first step: process start to "
              "the first optimizer step's end; warm-up: the first 5 steps (compilation lands there); datasets cache: what "
-             "the run's datasets cache holds after it (a warm run shares its cold run's)."
+             "the run's datasets cache holds after it (a warm run shares its cold run's); data wait: the share of the steady steps "
+             "spent waiting for a batch; x folder: a stream job's steady img/s over the folder's (photos200-ours)."
              + (f" Byte-compiled first: {record['bytecode']}." if record.get("bytecode") else ""), "",
              "![Where each job's wall clock goes](wall_clock.png)", "",
-             "| job | run | exit | wall s | x peer (16 workers) | first step s | warm-up s | steady img/s | "
-             + " | ".join(PHASES) + " | imports (in startup) | eval accuracy | datasets cache |",
-             "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|"]  # fmt: skip
+             "| job | run | exit | wall s | x peer (16 workers) | first step s | warm-up s | steady img/s | data wait | "
+             "x folder | " + " | ".join(PHASES) + " | imports (in startup) | eval accuracy | datasets cache |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|"]  # fmt: skip
     for run in runs:
         m = run["metrics"]
         cells = [run["job"], f"`{run['name']}`", str(run["exit"]), f"{run['wall_s']:.1f}" if run["wall_s"] else "",
                  ratio(run, runs), str(m.get("train_first_step_after_start_s", "")), str(m.get("train_warmup_s", "")),
                  f"{m['train_images_per_second']:,.0f}" if "train_images_per_second" in m else "",
+                 f"{m['train_data_wait_fraction']:.1%}" if "train_data_wait_fraction" in m else "",
+                 speed_of_folder(run, runs),
                  *[str(m.get(f"time_{p}_s", "")) for p in PHASES], str(m.get("time_imports_s", "")), str(round(m["eval_accuracy"], 4)) if "eval_accuracy" in m else "",
                  f"{run['cache_bytes'] / 2**20:,.1f} MiB" if run.get("cache_bytes") is not None else ""]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -302,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             for job, (ours, peer) in list(JOBS.items()):
                 JOBS[job] = (ours + shlex.split(args.extra), peer + shlex.split(args.extra))
         photos = photos_folder(work, args.photos) if any(r.on_photos for r in runs) else None
+        if streams := {r.job for r in runs if r.job in STREAMS}:
+            stream_folders(photos, streams)
         bytecode = byte_compile(work) if args.bytecode else None
         start = time.time()
         for run in runs:

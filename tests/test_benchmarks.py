@@ -791,3 +791,30 @@ def test_benchmark_modules_import_no_probe_and_form_no_circle():
                 edges |= {(path.stem, n) for n in names if (BENCH / f"{n}.py").is_file() and n != path.stem}
     assert edges <= allowed, edges - allowed
     assert not [edge for edge in edges if edge[0] == "common"]  # common imports nothing of benchmarks/
+
+
+def test_wall_clock_streams_the_photos_as_parquet_files_of_few_row_groups(tmp_path):
+    """wall_clock's stream jobs: the photos folder written again as parquet files of image bytes (train in 8 or 1
+    files, of one row group or 100-row groups), typed as datasets' Image and ClassLabel, streamed by our recipe."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    from benchmarks import wall_clock
+    from tools.jpeg_folder import write_folder, write_parquet
+
+    photos = tmp_path / "jpegs_60"
+    write_folder(photos, 60, 3, validation=0.1, sides=(40, 52), workers=1)
+    write_parquet(photos, tmp_path / "one", files=1)
+    write_parquet(photos, tmp_path / "groups", files=2, row_group=10)
+    (one,) = sorted((tmp_path / "one").glob("train-*.parquet"))
+    assert one.name == "train-00000-of-00001.parquet" and pq.ParquetFile(one).metadata.num_row_groups == 1
+    shards = sorted((tmp_path / "groups").glob("train-*.parquet"))
+    assert [pq.ParquetFile(s).metadata.num_row_groups for s in shards] == [3, 3]  # 27 rows each, 10 a group
+    stream = datasets.load_dataset("parquet", data_dir=str(tmp_path / "groups"), split="train", streaming=True)
+    assert isinstance(stream.features["image"], datasets.Image) and stream.features["label"].names[0] == "class_0000"
+    assert sum(1 for _ in stream) == 54 and (tmp_path / "groups" / "validation-00000-of-00001.parquet").is_file()
+    plan = {wall_clock.Run(*entry).name: wall_clock.Run(*entry) for entry in wall_clock.PLAN}
+    argv = wall_clock.argv_of(plan["stream1-rg100-ours-cold"], tmp_path, tmp_path / "o", photos)
+    assert argv[argv.index("--dataset_name") + 1] == str(tmp_path / "jpegs_60_stream1-rg100")
+    assert "--streaming" in argv and argv[argv.index("--max_steps") + 1] == "200"
+    assert wall_clock.STREAMS["stream1-rg100"] == (1, 100) and wall_clock.STREAMS["stream8"] == (8, None)

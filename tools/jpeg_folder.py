@@ -4,11 +4,15 @@
     python tools/jpeg_folder.py data/jpegs --images 60000 --classes 100        # ~2.7 GB, train/ and validation/
     python tools/jpeg_folder.py /tmp/small --images 200 --classes 4 --min-side 64 --max-side 96
 
+    python tools/jpeg_folder.py data/jpegs --parquet data/stream8 --files 8     # that folder as 8 parquet files
+
 FOLDER/train/<class>/<n>.jpg and FOLDER/validation/<class>/<n>.jpg (--validation of the images; 5% by default), as
 `datasets`' imagefolder and transformers' example read them. Each image is 400-520 x 300-420 px (ImageNet's typical
 sizes; --min-side/--max-side scale both) at JPEG quality 90: a smooth random colour field, so the files compress as
 photos do (with grain, ~46 KB each), with a class-coloured shape a model can learn. Seeded: the same arguments write the same
-bytes. Written by every core (--workers).
+bytes. Written by every core (--workers). --parquet writes an existing folder again as parquet files of image bytes,
+the way Hub datasets come (train in --files files, each of one row group unless --row-group, validation in one): the
+data of a --streaming run.
 """
 
 import argparse
@@ -58,6 +62,33 @@ def write_folder(root: Path, images: int, classes: int, validation: float = 0.05
         return sum(pool.map(write_one, tasks, chunksize=64))
 
 
+def write_parquet(folder: Path, out: Path, files: int, row_group: int | None = None) -> int:
+    """FOLDER's images as OUT/<split>-0000i-of-0000n.parquet (datasets' shard names), each row {image: {bytes, path},
+    label}, typed as datasets' Image and ClassLabel; train in `files` files of one row group each, or of `row_group`
+    rows. Returns the bytes written."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = sorted(p.name for p in (folder / "train").iterdir() if p.is_dir())
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    written = 0
+    for split, count in (("train", files), ("validation", 1)):
+        paths = sorted((folder / split).rglob("*.jpg"))
+        for i in range(count):
+            part = paths[i::count]  # every class in every file, as a shuffled Hub shard holds them
+            table = pa.Table.from_pydict(
+                {"image": [{"bytes": p.read_bytes(), "path": p.name} for p in part],
+                 "label": [names.index(p.parent.name) for p in part]},
+                schema=features.arrow_schema,
+            )  # fmt: skip
+            path = out / f"{split}-{i:05d}-of-{count:05d}.parquet"
+            pq.write_table(table, path, row_group_size=row_group or len(part))
+            written += path.stat().st_size
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path)
@@ -68,7 +99,14 @@ def main() -> None:
     parser.add_argument("--min-side", type=int, default=400, help="narrowest image width")
     parser.add_argument("--max-side", type=int, default=520, help="widest image width")
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--parquet", type=Path, default=None, help="write FOLDER (already written) as parquet here")
+    parser.add_argument("--files", type=int, default=8, help="--parquet: train files")
+    parser.add_argument("--row-group", type=int, default=None, help="--parquet: rows per row group (default: a file)")
     args = parser.parse_args()
+    if args.parquet:
+        size = write_parquet(args.folder, args.parquet, args.files, args.row_group)
+        print(f"wrote {args.folder} as {args.files} train parquet file(s) ({size / 2**30:.2f} GiB) to {args.parquet}")
+        return
     size = write_folder(args.folder, args.images, args.classes, args.validation, args.seed,
                         (args.min_side, args.max_side), args.workers)  # fmt: skip
     print(f"wrote {args.images} JPEGs ({size / 2**30:.2f} GiB) in {args.classes} classes to {args.folder}")
