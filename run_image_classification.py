@@ -137,13 +137,9 @@ def cli() -> None:
         main()
     except RecipeError as err:
         if launch.env_int("LOCAL_RANK", default=0) > 0:
-            # Every rank checks the same arguments and raises the same error: local rank 0 prints it. Exiting now
-            # could let the launcher, which stops all ranks at the first failure, kill rank 0 before it prints: wait
-            # for that stop instead. Still running after it, the error is this rank's own: print it.
-            import time
-
-            time.sleep(30)
+            launch.await_the_launchers_stop()  # local rank 0 prints the shared refusal; still here: our own error
         print(f"error: {err}", file=sys.stderr)
+        launch.record_for_the_launcher(f"error: {err}")  # torch elastic's failure report quotes it
         sys.exit(2)
     except RunInterrupted as stop:  # SIGINT/SIGTERM during training: checkpoint saved at a step end (interrupt.py)
         if launch.env_int("LOCAL_RANK", default=0) == 0:

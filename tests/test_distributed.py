@@ -1242,6 +1242,107 @@ def test_deepspeed_launchers_count_of_this_machines_processes_is_read(monkeypatc
         check_processes(use_cpu=False)
 
 
+def test_the_launch_notes_are_in_the_runs_log(monkeypatch, caplog):
+    """Processes that stepped aside (step_aside), and more CPU processes on a machine than cores (the zero3 command
+    as typed with a CPU recipe starts the config's 8): one WARNING each in the plan's log, process 0 only."""
+    from vit_recipes import launch
+
+    monkeypatch.setattr(launch, "_STEPPED_ASIDE", {"launched": 8, "gpus": 2})
+    monkeypatch.setattr(launch, "_CROWDED", {})
+    monkeypatch.setattr(launch, "cores", lambda: 2)
+    for name, value in {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    launch.check_processes(use_cpu=True)  # what each of the 8 CPU processes meets: not refused
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name)  # one process from here: the plan, in-process
+    with caplog.at_level("WARNING", logger="vit_recipes.plan"):
+        check("--use_cpu", "true", "--per_device_train_batch_size", "16")
+    assert (
+        "8 processes were launched on this machine, which has 2 GPU(s): 6 exited before the process group and 2 "
+        "train, global batch 16 (8 would have made 64); --num_processes 2 launches only these"
+    ) in caplog.text
+    assert (
+        "8 CPU processes on this machine's 2 core(s): each trains on a share of a core, global batch 16; "
+        "--num_processes 2 (--num_gpus 2 with deepspeed) runs one per core, global batch 4"
+    ) in caplog.text
+
+
+def pretend_accelerate_launched(monkeypatch, *command: str) -> None:
+    """This process as `accelerate launch --cpu` starts the script: its simple launcher sets ACCELERATE_USE_CPU and
+    no ranks, and it is the parent, whose command line is read."""
+    import psutil
+
+    command = [sys.executable, *command, "run_image_classification.py", "--use_cpu", "true"]
+    parent = types.SimpleNamespace(cmdline=lambda: command, cwd=lambda: str(ROOT))
+    monkeypatch.setattr(psutil, "Process", lambda *pid: types.SimpleNamespace(parent=lambda: parent))
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_accelerate_launch_with_cpu_says_it_runs_one_process_and_refuses_a_strategy_it_drops(monkeypatch, caplog):
+    """`accelerate launch --cpu` runs the script once, without the config's strategy: it ran one process for
+    ddp.yaml --num_processes 2, and one plain process without DeepSpeed for zero3.yaml, without a word."""
+    from vit_recipes import launch
+
+    monkeypatch.setattr(launch, "_ONE_PROCESS", {})
+    accelerate_launch = (str(Path(sys.executable).with_name("accelerate")), "launch")
+    ddp = ("--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2", "--cpu")
+    pretend_accelerate_launched(monkeypatch, *accelerate_launch, *ddp)
+    launch.check_processes(use_cpu=True)
+    with caplog.at_level("WARNING", logger="vit_recipes.plan"):
+        check("--use_cpu", "true", "--per_device_train_batch_size", "16")
+    assert (
+        "accelerate launch --cpu starts one process: 2 were asked (accelerate_configs/ddp.yaml), 1 trains, global "
+        "batch 16 (2 would have made 32); for 2 CPU processes over gloo drop --cpu and pass --use_cpu true to the "
+        "script"
+    ) in caplog.text
+    for config, processes, strategy in (("zero3.yaml", "8", "DeepSpeed on 8 processes"), ("fsdp.yaml", "2", "FSDP")):
+        flags = ["--config_file", f"accelerate_configs/{config}", "--cpu"] + ["--num_processes", "2"] * (
+            processes == "2"
+        )
+        for command in (accelerate_launch, ("-m", "accelerate.commands.launch")):
+            pretend_accelerate_launched(monkeypatch, *command, *flags)
+            with pytest.raises(
+                RecipeError,
+                match=f"^accelerate launch --cpu starts one plain process: accelerate_configs/{config} "
+                f"asks for {strategy}.*--use_cpu true to the script",
+            ):
+                launch.check_processes(use_cpu=True)
+    pretend_accelerate_launched(monkeypatch, "-m", "pytest")  # ACCELERATE_USE_CPU set, another parent: nothing
+    launch.check_processes(use_cpu=True)
+    assert launch.launch_notes(16) == []
+
+
+def test_a_rank_that_leaves_the_refusal_to_local_rank_0_exits_0_at_the_launchers_stop():
+    """Every rank meets the same refusal; local rank 0 prints it and exits 2, and the launcher stops the others
+    with SIGTERM. Killed by it (-15), each was one more failure in torch elastic's report, 7 lines with nothing to
+    add to rank 0's line."""
+    code = "from vit_recipes import launch; print('waiting', flush=True); launch.await_the_launchers_stop(60)"
+    env = launch_env(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    assert rank.stdout.readline() == "waiting\n"
+    rank.terminate()
+    assert rank.wait(timeout=30) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed builds this op for its CPU accelerator")
+def test_deepspeeds_first_build_of_its_cpu_op_is_said_before_it_starts(monkeypatch, tmp_path, capsys):
+    """The zero3 command with a CPU recipe printed nothing for ~5 minutes on 2 cores while DeepSpeed's comm compiled
+    its shared-memory collective (its first run on a machine): one line says so first; none once it is built."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # torch's JIT build cache: empty, as at a first run
+    check("--deepspeed", ROOT / "ds_configs/zero3.json", "--use_cpu", "true")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("DeepSpeed is compiling")]
+    folder = tmp_path / "deepspeed_shm_comm"  # torch's folder for the op, under TORCH_EXTENSIONS_DIR
+    assert lines == [
+        f"DeepSpeed is compiling its shared-memory collective for CPU processes into {folder}: once per machine, "
+        "minutes on a few cores, with nothing printed meanwhile (`make install` builds it ahead)"
+    ]
+    (folder / f"{folder.name}.so").touch()  # built
+    check("--deepspeed", ROOT / "ds_configs/zero3.json", "--use_cpu", "true")
+    assert "DeepSpeed is compiling" not in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the command as typed, on a machine without GPUs")
 @LAUNCHERS_GROUP
@@ -1257,10 +1358,16 @@ def test_too_many_processes_for_this_machine_is_one_error_line_not_one_per_proce
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     text = result.stdout + result.stderr
     errors = [line for line in text.splitlines() if line.startswith("error:")]  # the script's one-line format
-    assert result.returncode != 0 and len(errors) == 1 and text.count("processes were launched") == 1, text[-8000:]
+    # once by local rank 0, once quoted by torch elastic's report (below): no other rank prints it
+    assert result.returncode != 0 and len(errors) == 1 and text.count("processes were launched") == 2, text[-8000:]
     assert errors[0].startswith("error: 8 processes were launched but this machine has no GPU"), errors
     assert "--use_cpu true to the script and --num_processes N to accelerate" in errors[0], errors
     assert not (tmp_path / "out").exists()
+    # torch elastic's ChildFailedError report, which accelerate launch prints after it: its root cause quotes our
+    # line, read from the error file rank 0 wrote (it said "error_file: <N/A>" and "To enable traceback see: ...")
+    root_cause = text.split("Root Cause (first observed failure):")[-1]
+    assert f"traceback : {errors[0]}" in root_cause and "error_file: <N/A>" not in root_cause, text[-8000:]
+    assert "To enable traceback" not in text, text[-8000:]
 
 
 @pytest.mark.slow

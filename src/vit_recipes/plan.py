@@ -15,7 +15,7 @@ from . import strategies
 from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config, set_checkpointing
 from .checks import check_plan, config_value, deepspeed_checkpoint_world_size, turned_on
 from .errors import RecipeError, first_line
-from .launch import bind_deepspeed_comm, env_int, is_true, stepped_aside_note
+from .launch import bind_deepspeed_comm, env_int, is_true, launch_notes
 from .lora import is_adapter_dir
 from .memory import PREFERENCE, config_from_args, estimate, gib, model_shape
 from .modeling import training_image_size
@@ -190,7 +190,7 @@ def build_plan(args: RunArguments) -> RunPlan:
         f"{weights if half else ''} on {plan.device}, global batch {global_batch}, output dir {plan.output.state}"
         f"{resumed}"
     )
-    if (note := stepped_aside_note(global_batch)) and t.process_index == 0:
+    for note in launch_notes(global_batch) if t.process_index == 0 else ():
         logger.warning(note)
     if half and not strategy.autocast and t.process_index == 0:
         logger.warning(
