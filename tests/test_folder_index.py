@@ -50,7 +50,7 @@ def test_hidden_files_apple_double_files_and_hidden_folders_are_not_indexed(tmp_
     and `datasets` reads neither. Here they sit inside class folders, where they would be a row each."""
     root = classes(tmp_path)
     tree(root, {"train/cat/._0.png": b"AppleDouble metadata", "train/cat/.3.png": png(), "train/.cache/dog/x.png": png(),
-                "__MACOSX/train/cat/._1.png": b"AppleDouble metadata"})  # fmt: skip
+                "__MACOSX/train/cat/1.png": png()})  # fmt: skip
     files = index_folder(root).files
     assert len(files) == 12 and not [f for f in files if "/." in f or f.startswith(("_", "."))]
     assert len(load_any(str(root))["train"]) == 6
