@@ -18,9 +18,8 @@ from datasets import ClassLabel, Dataset, DatasetDict, Value
 from datasets.utils.stratify import stratified_shuffle_split_generate_indices
 
 from .errors import RecipeError, first_line
-from .folder_index import DATA_BUILDERS, load_folder
+from .folder_index import DATA_BUILDERS, IMAGES, image_files, load_folder
 from .hub import LOCAL_BUILDERS, written_as_path
-from .images import IMAGE_EXTENSIONS
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +79,11 @@ def _unreadable_files(err: Exception, path: Path) -> str:
     return f"cannot read the data files in {path}: {type(cause).__name__}: {text}"
 
 
-def load_any(name: str, config_name: str | None = None, cache_dir: str | None = None) -> DatasetDict:
-    """Load a Hub id, an imagefolder tree, a folder of parquet/arrow files, a data file or a save_to_disk folder."""
+def load_any(
+    name: str, config_name: str | None = None, cache_dir: str | None = None, notes: list[str] | None = None
+) -> DatasetDict:
+    """Load a Hub id, an imagefolder tree, a folder of parquet/arrow files, a data file or a save_to_disk folder;
+    `notes`: where a local folder adds the files it left out (folder_index.load_folder)."""
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
@@ -94,7 +96,7 @@ def load_any(name: str, config_name: str | None = None, cache_dir: str | None = 
             )
         else:
             try:  # indexed in one walk, the splits named explicitly (folder_index.py)
-                loaded = load_folder(path, cache_dir)
+                loaded = load_folder(path, cache_dir, notes=notes)
             except datasets.exceptions.DatasetGenerationError as err:
                 raise RecipeError(_unreadable_files(err, path)) from None
             except (FileNotFoundError, ValueError) as err:
@@ -216,7 +218,8 @@ def _split(dataset_dict: DatasetDict, requested: str | None, aliases: tuple[str,
 def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_train: bool = True) -> ImageSplits:
     """Load the dataset and return its train/validation/test splits with encoded labels."""
     source, preset = resolve_source(data_args.dataset_name)
-    dataset_dict = load_any(source, data_args.dataset_config_name, cache_dir)
+    notes: list[str] = []
+    dataset_dict = load_any(source, data_args.dataset_config_name, cache_dir, notes)
     train_split = data_args.train_split_name  # loaded for eval-only runs too: same label mapping, same carved split
     train_name = _split(dataset_dict, train_split if need_train else None, (train_split,), "train")
     val_name = _split(dataset_dict, data_args.validation_split_name, VALIDATION_SPLITS, "validation")
@@ -246,15 +249,8 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
     problem_type = getattr(data_args, "problem_type", None)
     dataset_dict, names, source_kind, multi = encode_labels(dataset_dict, label_column, problem_type)
     train, validation, test = (dataset_dict[n] if n else None for n in (train_name, val_name, test_name))
-    if train is not None and need_train and not multi:
-        counts = np.bincount(label_array(train), minlength=len(names))
-        if missing := [names[i] for i in np.flatnonzero(counts == 0)]:  # a class the model could never learn
-            raise RecipeError(
-                f"{len(missing)} class(es) have no training images: {', '.join(missing[:5])}"
-                f"{', ...' if len(missing) > 5 else ''}; add training images of them, or remove them (an empty "
-                "class folder, or validation/test images of a class train lacks)"
-            )
-    notes: list[str] = []
+    if need_train:
+        refuse_classes_without_images(train, names)
     if train is not None and validation is None:
         train, validation = carve_validation(train, data_args.validation_split_percentage, len(names), seed, notes)
     if not need_train:
@@ -265,6 +261,24 @@ def load_splits(data_args, seed: int = 42, cache_dir: str | None = None, need_tr
         validation = validation and sample(validation, data_args.max_eval_samples, seed, "validation", notes)
         test = test and sample(test, data_args.max_eval_samples, seed, "test", notes)
     return ImageSplits(train, validation, test, image_column, names, source_kind, notes=notes, multi_label=multi)
+
+
+def refuse_classes_without_images(train: Dataset | None, names: list[str], had: Dataset | None = None) -> None:
+    """A class no training image shows: the model could never learn it, and would be scored on it. `had`: the same
+    split before decoding left its unreadable images out; then only the classes it had count (a sample of train,
+    --max_train_samples, may lack some)."""
+    if train is None or not _single(train):
+        return
+    missing = np.bincount(label_array(train), minlength=len(names)) == 0
+    if had is not None:
+        missing &= np.bincount(label_array(had), minlength=len(names)) > 0
+    if names_missing := [names[i] for i in np.flatnonzero(missing)]:
+        raise RecipeError(
+            f"{len(names_missing)} class(es) have no training images: {', '.join(names_missing[:5])}"
+            f"{', ...' if len(names_missing) > 5 else ''}; add training images of them, or remove them (an empty "
+            "class folder, one whose images are all unreadable or empty files, or validation/test images of a class "
+            "train lacks)"
+        )
 
 
 def write_labels(splits: ImageSplits, output_dir: str) -> None:
@@ -354,18 +368,19 @@ def carve_validation(
 
 
 def load_image_folder(folder: str) -> Dataset:
-    """Every image under a folder (or one image file), for --do_predict; keeps the relative file names."""
+    """Every image under a folder (or one image file), for --do_predict; keeps the relative file names. A folder is
+    walked as a dataset folder is (folder_index.py: hidden files left out, symlinked folders followed)."""
     root = Path(folder)
     if root.is_file():
-        files, root = [root], root.parent
+        files, root = [root.name], root.parent
     elif root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+        files = image_files(root)
     else:
         raise RecipeError(f"--predict_images path not found: {folder}")
     if not files:
-        raise RecipeError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {folder}")
+        raise RecipeError(f"no {IMAGES} found under {folder}")
     return Dataset.from_dict(
-        {"file": [str(p.relative_to(root)) for p in files], "image": [{"path": str(p), "bytes": None} for p in files]},
+        {"file": files, "image": [{"path": str(root / f), "bytes": None} for f in files]},
         features=datasets.Features({"file": Value("string"), "image": datasets.Image(decode=False)}),
     )
 

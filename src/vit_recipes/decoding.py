@@ -25,7 +25,7 @@ import torch
 from datasets import Dataset, Value
 from datasets.fingerprint import Hasher
 
-from .data import LABELS, PIXELS, ImageSplits
+from .data import LABELS, PIXELS, ImageSplits, refuse_classes_without_images
 from .errors import RecipeError
 from .images import LOST, decode_to_chw, image_path, probe, problem_of, stored_size, white_level
 from .launch import env_int
@@ -249,6 +249,7 @@ def decode_splits(
         if parts := {name: split for name, split in splits.present().items() if name in group}:
             done, lost = decode_datasets(parts, splits.image_column, storage, num_proc, notes)
             decoded, skipped = decoded | done, skipped | lost
+    refuse_classes_without_images(decoded["train"], splits.label_names, had=splits.train)  # all unreadable
     stored = dict(image_column=PIXELS, storage_shape=storage.shape, white=storage.white, notes=notes)
     return replace(splits, **decoded, **stored, skipped={name: rows for name, rows in skipped.items() if rows})
 

@@ -5,9 +5,20 @@ import math
 import os
 
 import numpy as np
+from datasets.packaged_modules.imagefolder.imagefolder import IMAGE_EXTENSIONS as IMAGEFOLDER_EXTENSIONS
 from PIL import Image, ImageOps
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+try:  # iPhones' HEIC photos: PIL reads them with this plugin where it is installed (setup.cfg's extra `heif`)
+    from pillow_heif import register_heif_opener
+except ImportError:
+    pass
+else:
+    register_heif_opener()
+
+HEIF_EXTENSIONS = (".heic", ".heif")
+# What datasets' imagefolder reads (`.jfif` and `.jpe` too: a folder indexed here keeps what `load_dataset` would),
+# and beyond it AVIF and HEIC/HEIF, where PIL has an opener for them (folder_index leaves the others out, in a line).
+IMAGE_EXTENSIONS = (*IMAGEFOLDER_EXTENSIONS, ".avif", *HEIF_EXTENSIONS)
 HIGH_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 
