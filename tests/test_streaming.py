@@ -228,8 +228,8 @@ def test_a_resumed_stream_decodes_only_the_images_of_its_own_steps(shards, tmp_p
     monkeypatch.setattr(Image, "open", lambda *a, **kw: opened.append(1) or real_open(*a, **kw))
     resumed = []
     stream_trainer(stream_splits(shards).train, tmp_path, 4, resumed).train(tmp_path / "checkpoint-2")
-    assert resumed == straight[2:]
     assert len(opened) == 2 * 4
+    assert resumed == straight[2:]
 
 
 def test_a_stream_resumed_on_another_process_count_starts_over_and_says_so(shards, tmp_path, caplog):
