@@ -38,7 +38,7 @@ SCHEMA_SHARDS = (".parquet", ".arrow")  # local shards whose columns are read up
 
 
 class StreamError(RecipeError):
-    """A RecipeError raised while a DataLoader worker reads the stream. torch raises it again in the main process as
+    r"""A RecipeError raised while a DataLoader worker reads the stream. torch raises it again in the main process as
     `type(err)("Caught StreamError in DataLoader worker process 0.\nOriginal Traceback ...: <message>")`: the
     message alone is kept, so the user still gets one line."""
 
