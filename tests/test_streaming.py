@@ -1,13 +1,18 @@
 """--streaming (src/vit_recipes/streaming.py): each rank reads its own shards of a stream that repeats, its position
-saved in checkpoints; 2 processes over gloo train an epoch of unequal shards without a hang and resume exactly."""
+saved in checkpoints; 2 processes over gloo train an epoch of unequal shards without a hang and resume exactly. A
+Trainer with the stream mixin runs in-process on a tiny model: resumes, worker counts and broken shards."""
 
 import io
 import json
+import logging
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import numpy as np
@@ -18,7 +23,7 @@ from PIL import Image as PILImage
 from safetensors.torch import load_file
 
 from vit_recipes.errors import RecipeError
-from vit_recipes.streaming import RankStream
+from vit_recipes.streaming import STATE_FILE, RankStream, StreamedBatches, StreamError, load_stream_splits
 
 CLASSES = 4
 SHARDS = (40, 8, 24, 8)  # unequal: 2 ranks read 48 and 32 images a pass (or 64 and 16)
@@ -158,3 +163,164 @@ def test_two_processes_stream_unequal_shards_without_a_hang_and_resume_to_the_sa
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+# ------------------------------------------------------------------------ in-process: a Trainer over a stream
+
+
+def data_args(source, **kw):
+    from vit_recipes.arguments import DataArguments
+
+    return DataArguments(dataset_name=str(source), streaming=True, shuffle_buffer_size=0, **kw)
+
+
+def stream_splits(source, **kw):
+    training = SimpleNamespace(process_index=0, world_size=1, seed=0, do_eval=True)
+    return load_stream_splits(data_args(source, **kw), training)
+
+
+class Pooled(torch.nn.Module):
+    """A classifier of the images' mean colour: a model small enough for the Trainer's loop to cost nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(3, CLASSES)
+
+    def forward(self, pixel_values, labels):
+        logits = self.head(pixel_values.float().mean((2, 3)) / 255)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def stream_trainer(stream, out: Path, steps: int, seen: list, workers: int = 0):
+    """A transformers Trainer with the project's stream mixin, decoding per batch with the run's collator; `seen`
+    gets each batch's pixel sum, in order."""
+    import transformers
+
+    from vit_recipes.decoding import DecodingCollator
+
+    decode = DecodingCollator((24, 24), None, "image")
+
+    def collate(rows):
+        batch = decode(rows)
+        seen.append(int(batch["pixel_values"].sum()))
+        return batch
+
+    class StreamTrainer(StreamedBatches, transformers.Trainer):
+        pass
+
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
+        use_cpu=True, report_to="none", dataloader_num_workers=workers, disable_tqdm=True, seed=0, logging_steps=100,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return StreamTrainer(model=Pooled(), args=args, train_dataset=stream, data_collator=collate)
+
+
+def test_a_resumed_stream_decodes_only_the_images_of_its_own_steps(shards, tmp_path, monkeypatch):
+    """4 steps straight, then from the step-2 checkpoint to 4: the resumed run sees the straight run's last 2
+    batches, and opens 8 images, not the 16 a resume that read past (or the Trainer's skip) would decode."""
+    from PIL import Image
+
+    straight = []
+    stream_trainer(stream_splits(shards).train, tmp_path, 4, straight).train()
+    opened = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **kw: opened.append(1) or real_open(*a, **kw))
+    resumed = []
+    stream_trainer(stream_splits(shards).train, tmp_path, 4, resumed).train(tmp_path / "checkpoint-2")
+    assert len(opened) == 2 * 4
+    assert resumed == straight[2:]
+
+
+def test_a_stream_resumed_on_another_process_count_starts_over_and_says_so(shards, tmp_path, caplog):
+    straight = []
+    stream_trainer(stream_splits(shards).train, tmp_path, 4, straight).train()
+    state_file = tmp_path / "checkpoint-2" / STATE_FILE.format(rank=0)
+    state = torch.load(state_file, weights_only=False)
+    torch.save({**state, "world_size": 2}, state_file)  # written by a run of 2 processes
+    resumed = []
+    with caplog.at_level(logging.WARNING, "vit_recipes.streaming"):
+        stream_trainer(stream_splits(shards).train, tmp_path, 4, resumed).train(tmp_path / "checkpoint-2")
+    assert resumed == straight[:2]  # from the stream's start, not from the other run's saved positions
+    assert "holds no stream position for 1 process(es): the stream starts over" in caplog.text
+
+
+def test_a_rank_gets_one_dataloader_worker_per_shard_and_a_line_says_so(shards, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, "vit_recipes.streaming"):
+        trainer = stream_trainer(stream_of(shards, rank=0, world=2), tmp_path, 4, [], workers=4)
+        loader = trainer.get_train_dataloader()
+    assert loader.num_workers == 2  # rank 0 of 2 reads 2 of the 4 shards: 2 more workers would read nothing
+    assert "2 DataLoader worker(s) on this rank, one per shard of its 2" in caplog.text
+
+
+def copy_of(shards: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(shards, tmp_path / "copy"))
+
+
+@pytest.mark.parametrize("shard", [0, 1])  # the first: datasets reads its columns while loading; another: up front
+def test_a_truncated_shard_is_one_line_naming_it_before_any_work(shards, tmp_path, shard):
+    folder = copy_of(shards, tmp_path)
+    broken = folder / "data" / f"train-{shard:05d}-of-00004.parquet"
+    broken.write_bytes(broken.read_bytes()[:-300])  # an interrupted copy: no footer
+    said = rf"^--streaming: shard {re.escape(str(broken))} cannot be read \(Parquet magic bytes .*\): it is cut short"
+    with pytest.raises(
+        RecipeError, match=said + " or damaged; copy or export it again, or move it out of the dataset"
+    ):
+        stream_splits(folder)
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (lambda d: d.remove_columns("label"), r"has no 'label' column \(its columns: image, n\): every shard needs the "
+         r"image and label columns \('image', 'label'\); fix or remove it"),
+        (lambda d: d.add_column("x", [0] * len(d)), r"has the columns image, label, n, x, the first shard image, label, n:"
+         " datasets streams shards of one set of columns"),
+    ],
+    ids=["no-label", "other-column"],
+)  # fmt: skip
+def test_a_shard_without_the_label_column_or_with_others_is_one_line_naming_it(shards, tmp_path, change, said):
+    folder = copy_of(shards, tmp_path)
+    shard = folder / "data" / "train-00002-of-00004.parquet"
+    change(datasets.Dataset.from_parquet(str(shard))).to_parquet(str(shard))
+    with pytest.raises(RecipeError, match=rf"^--streaming: shard {re.escape(str(shard))} {said}"):
+        stream_splits(folder)
+
+
+def first_batches(stream, workers: int, n: int = 30) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(stream, batch_size=4, num_workers=workers, collate_fn=lambda rows: rows)
+    for _ in zip(range(n), loader):
+        pass
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_label_missing_at_run_time_is_one_line_even_from_a_worker(shards, tmp_path, monkeypatch, workers):
+    """A shard not checked up front (a Hub dataset's) without the label column streams None labels."""
+    folder = copy_of(shards, tmp_path)
+    shard = folder / "data" / "train-00002-of-00004.parquet"
+    datasets.Dataset.from_parquet(str(shard)).remove_columns("label").to_parquet(str(shard))
+    monkeypatch.setattr("vit_recipes.streaming.check_shard_columns", lambda *a: None)
+    stream = stream_splits(folder).train
+    with pytest.raises(StreamError) as caught:
+        first_batches(stream, workers)
+    assert str(caught.value) == (
+        "--streaming: an image has no label: its shard has no 'label' column, or the row leaves it empty; give every "
+        "image a label, or remove the shards without one"
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_shard_failing_mid_read_is_one_line_naming_it_even_from_a_worker(shards, tmp_path, workers):
+    """A shard that only fails while it is read (not checked up front: a Hub dataset's) is named as datasets logs
+    it."""
+    folder = copy_of(shards, tmp_path)
+    broken = folder / "data" / "train-00001-of-00004.parquet"
+    broken.write_bytes(broken.read_bytes()[:-300])
+    files = sorted(str(p) for p in (folder / "data").glob("train-*.parquet"))
+    stream = datasets.load_dataset("parquet", data_files={"train": files}, split="train", streaming=True)
+    with pytest.raises(StreamError) as caught:
+        first_batches(RankStream(stream.select_columns(["n"]), 0, 1, seed=0, buffer=0), workers)
+    assert str(caught.value).startswith(f"--streaming: shard {broken} could not be read (ArrowInvalid: ")
+    assert "\n" not in str(caught.value)

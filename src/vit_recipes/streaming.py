@@ -8,26 +8,73 @@ parquet/arrow/WebDataset shards or image folders); validation and test stay map-
 - Its position is the DataLoader's state (torchdata's StatefulDataLoader asks each worker's dataset for it), saved
   per rank in every checkpoint; a resumed run reads past the images before it without decoding them (the
   Trainer's own resume would decode every skipped batch) and then sees what the uninterrupted run saw.
+- Local parquet/arrow shards are checked before any work: each one's footer or schema is read (a few KB, not its
+  rows), so a shard cut short or without the image and label columns is one line naming it, not a pyarrow error in a
+  DataLoader worker at step 0.
 """
 
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from datasets.distributed import split_dataset_by_node
 
 from .batches import worker_setup
 from .data import LABELS, VALIDATION_SPLITS, ImageSplits, find_column, resolve_source, sample
-from .errors import RecipeError
-from .folder_index import DATA_BUILDERS, load_folder
+from .errors import RecipeError, first_line
+from .folder_index import DATA_BUILDERS, index_folder, load_folder, suffix
 from .swap import swapped
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "stream_state_rank{rank}.pt"  # in a checkpoint: one rank's DataLoader state
+SCHEMA_SHARDS = (".parquet", ".arrow")  # local shards whose columns are read up front (a WebDataset .tar has none)
+
+
+class StreamError(RecipeError):
+    r"""A RecipeError raised while a DataLoader worker reads the stream. torch raises it again in the main process as
+    `type(err)("Caught StreamError in DataLoader worker process 0.\nOriginal Traceback ...: <message>")`: the
+    message alone is kept, so the user still gets one line."""
+
+    def __init__(self, message: str):
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            message = message.rstrip().rsplit("\n", 1)[-1].split(f"{type(self).__name__}: ", 1)[-1]
+        super().__init__(message)
+
+
+class _FailedFile(logging.Handler):
+    """The file that datasets' parquet and arrow builders name in their log before they re-raise a reading error
+    (the pyarrow error itself names a '<Buffer>'): the only place datasets says which shard failed."""
+
+    said = re.compile(r"Failed to read (?:file|schema from) '(.+?)' with error")
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.file = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if found := self.said.match(record.getMessage()):
+            self.file = found[1]
+
+
+_failed_file = _FailedFile()
+
+
+def unreadable_shard(err: Exception) -> StreamError:
+    """A reading error in the middle of the stream (a damaged page; a truncated arrow shard; a Hub shard that failed
+    to come), as one line naming the shard where datasets logged it."""
+    file, _failed_file.file = _failed_file.file, None
+    where = f"shard {file}" if file else "a shard of the training stream"
+    return StreamError(
+        f"--streaming: {where} could not be read ({type(err).__name__}: {first_line(err)}): replace the file (copy or "
+        "export it again), or remove it from the dataset; a Hub dataset: run again (the Hub may have failed to send)"
+    )
 
 
 class RankStream(torch.utils.data.IterableDataset):
@@ -54,6 +101,15 @@ class RankStream(torch.utils.data.IterableDataset):
         return self.part.num_shards
 
     def __iter__(self):
+        if _failed_file not in logging.getLogger("datasets").handlers:  # in this process (a DataLoader worker)
+            logging.getLogger("datasets").addHandler(_failed_file)
+        _failed_file.file = None
+        try:
+            yield from self._rows()
+        except (pa.ArrowException, OSError) as err:  # a local shard is checked up front, but only its footer
+            raise unreadable_shard(err) from None
+
+    def _rows(self):
         skip, self._skip = self._skip, 0
         while True:
             stream = self.part.shuffle(seed=self.seed + self.epoch, buffer_size=max(1, self.buffer))
@@ -179,22 +235,79 @@ class StreamedBatches:
 # ---------------------------------------------------------------------------------------------------- loading
 
 
-def _streams(source: str, config_name: str | None, cache_dir: str | None) -> dict:
-    """Every split of a dataset as a stream: a Hub id streamed from the Hub, a local folder's shards from disk (its
-    files indexed in one walk, folder_index.py); a folder of images alone is its table of paths, made iterable."""
+def shard_columns(file: str) -> list[str]:
+    """A local shard's columns, from its parquet footer or arrow schema (a few KB, not its rows). A parquet shard cut
+    short (an interrupted copy or download) has no footer: one line names it, before any work."""
+    try:
+        if file.endswith(".parquet"):
+            return pq.read_schema(file).names
+        with pa.memory_map(file) as source:
+            try:
+                return pa.ipc.open_stream(source).schema.names
+            except pa.ArrowInvalid:  # datasets reads both arrow formats: the stream (its own) and the file format
+                return pa.ipc.open_file(source).schema.names
+    except (pa.ArrowException, OSError) as err:
+        raise RecipeError(
+            f"--streaming: shard {file} cannot be read ({first_line(err)}): it is cut short or damaged; copy or "
+            "export it again, or move it out of the dataset folder"
+        ) from None
+
+
+def _shard_files(path: Path) -> list[str]:
+    """The local parquet/arrow shards: a second walk of the folder (only for one of shards, not one of images)."""
+    index = index_folder(path.resolve()) if path.is_dir() else None
+    files = [str(index.root / f) for f in index.files] if index else [str(path)]
+    return [f for f in files if suffix(f) in SCHEMA_SHARDS]
+
+
+def _local_shards(path: Path, streams: dict) -> dict[str, list[str]]:
+    """Every local parquet/arrow shard of the dataset and its columns (none for a Hub dataset, a folder of images or
+    WebDataset shards)."""
+    if not {getattr(s.info, "builder_name", None) for s in streams.values()} & {"parquet", "arrow"}:
+        return {}
+    return {file: shard_columns(file) for file in _shard_files(path)}
+
+
+def _streams(source: str, config_name: str | None, cache_dir: str | None) -> tuple[dict, dict[str, list[str]]]:
+    """Every split of a dataset as a stream, and its local shards' columns (`_local_shards`): a Hub id streamed from
+    the Hub, a local folder's shards from disk (its files indexed in one walk, folder_index.py); a folder of images
+    alone is its table of paths, made iterable."""
     path = Path(source).expanduser()
     if not path.exists():
-        return dict(datasets.load_dataset(source, config_name, streaming=True, cache_dir=cache_dir))
-    if path.is_file():
-        builder = DATA_BUILDERS.get(path.suffix)
-        if builder is None:
-            raise RecipeError(f"--streaming reads a Hub dataset or a folder of shards, not {path}")
-        return {"train": datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)}
-    loaded = load_folder(path, cache_dir, streaming=True)  # a folder of images: its table of paths, in 64 shards
-    return {
+        return dict(datasets.load_dataset(source, config_name, streaming=True, cache_dir=cache_dir)), {}
+    if path.is_file() and path.suffix not in DATA_BUILDERS:
+        raise RecipeError(f"--streaming reads a Hub dataset or a folder of shards, not {path}")
+    try:
+        if path.is_file():
+            loaded = {"train": datasets.load_dataset(DATA_BUILDERS[path.suffix], data_files=str(path), split="train",
+                                                     streaming=True)}  # fmt: skip
+        else:
+            loaded = load_folder(path, cache_dir, streaming=True)  # a folder of images: its table of paths
+    except pa.ArrowException:  # datasets read a split's first shard for its columns, and failed: name the shard
+        for file in _shard_files(path):
+            shard_columns(file)
+        raise
+    streams = {
         s: d.to_iterable_dataset(num_shards=min(64, len(d))) if s == "train" and isinstance(d, datasets.Dataset) else d
         for s, d in loaded.items()
     }
+    return streams, _local_shards(path, streams)
+
+
+def check_shard_columns(shards: dict[str, list[str]], features, image_column: str, label_column: str) -> None:
+    """Every shard holds the image and label columns (a shard without them would stream rows of None), and the
+    columns of the first one, whose features datasets casts every shard to (another column fails the cast)."""
+    for file, columns in shards.items():
+        if missing := [c for c in (image_column, label_column) if c not in columns]:
+            raise RecipeError(
+                f"--streaming: shard {file} has no '{missing[0]}' column (its columns: {', '.join(columns)}): every "
+                f"shard needs the image and label columns ('{image_column}', '{label_column}'); fix or remove it"
+            )
+        if set(columns) != set(features):
+            raise RecipeError(
+                f"--streaming: shard {file} has the columns {', '.join(columns)}, the first shard {', '.join(features)}:"
+                " datasets streams shards of one set of columns; give them the same columns, or remove it"
+            )
 
 
 def _materialize(split) -> datasets.Dataset:
@@ -208,7 +321,7 @@ def load_stream_splits(data_args, training, cache_dir: str | None = None):
     """ImageSplits whose train is this rank's RankStream and whose validation/test are map-style (data.ImageSplits);
     the label names from the stream's ClassLabel, else the evaluation splits' sorted values."""
     source, preset = resolve_source(data_args.dataset_name)
-    streams = _streams(source, data_args.dataset_config_name, cache_dir)
+    streams, shards = _streams(source, data_args.dataset_config_name, cache_dir)
     train_name = data_args.train_split_name
     if train_name not in streams:
         raise RecipeError(f"train split '{train_name}' does not exist; splits are: {', '.join(streams)}")
@@ -223,6 +336,7 @@ def load_stream_splits(data_args, training, cache_dir: str | None = None):
         raise RecipeError(f"--streaming: {source} does not say its columns; stream a dataset with typed features")
     image_column = find_column(features, data_args.image_column_name, preset and preset.image_column, "image")
     label_column = find_column(features, data_args.label_column_name, preset and preset.label_column, "label")
+    check_shard_columns(shards, features, image_column, label_column)
     evaluated = {n: _materialize(streams[n]) for n in (val_name, test_name) if n}
     if training.do_eval and not val_name:
         raise RecipeError(
@@ -242,8 +356,16 @@ def load_stream_splits(data_args, training, cache_dir: str | None = None):
 
     def encode(row):
         value = row[label_column]
+        if value is None:  # a shard without the column (a Hub one, not checked up front) streams None
+            raise StreamError(
+                f"--streaming: an image has no label: its shard has no '{label_column}' column, or the row leaves it "
+                "empty; give every image a label, or remove the shards without one"
+            )
         if lookup is not None and value not in lookup:
-            raise RuntimeError(f"training label {value!r} is not among the validation split's labels ({names[:5]}...)")
+            raise StreamError(
+                f"--streaming: training label {value!r} is not among the validation split's labels ({names[:5]}...): "
+                "give the validation split every class, or store the labels as a ClassLabel feature"
+            )
         return {LABELS: value if lookup is None else lookup[value]}
 
     for name, split in evaluated.items():
