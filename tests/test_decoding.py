@@ -6,6 +6,7 @@ import io
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -136,23 +137,76 @@ def test_per_batch_decoding_delivers_the_pixels_of_the_decoded_copy(photos):
     assert torch.equal(batch["labels"], expected["labels"])
 
 
+def rows_of_classes(splits: ImageSplits, classes: list[int]) -> list[dict]:
+    """Training rows of the given classes, in that order (the fixture's first rows share one class)."""
+    labels = splits.train["labels"]
+    return [splits.train[labels.index(c, 3 * n)] for n, c in enumerate(classes)]
+
+
 def test_an_unreadable_image_in_a_batch_is_replaced_logged_and_recorded(photos, tmp_path, caplog):
+    """Training: an unreadable image is replaced by a copy of another image of its batch, with that image's label
+    (the rows here are of other classes, so a kept label would show); recorded with its split, once per image."""
     splits = splits_of(photos)
-    rows = [splits.train[i] for i in range(4)]
+    rows = rows_of_classes(splits, [0, 1, 2, 1])
     rows[1] = {**rows[1], "image": {"path": str(tmp_path / "gone.jpg"), "bytes": None}}
     rows[2] = {**rows[2], "image": {"path": None, "bytes": b"\xff\xd8 truncated"}}
     record = tmp_path / decoding.SKIPPED_DURING_RUN
-    batch = DecodingCollator((16, 16), 255.0, "image", str(record))(rows)
+    collate = DecodingCollator((16, 16), 255.0, "image", str(record))
+    batch = collate(rows)
     assert batch["pixel_values"].shape == (4, 3, 16, 16)  # the batch keeps its shape
     assert torch.equal(batch["pixel_values"][1], batch["pixel_values"][0])
-    assert batch["labels"].tolist() == [rows[0]["labels"], rows[0]["labels"], rows[3]["labels"], rows[3]["labels"]]
-    assert f"Unreadable image {tmp_path / 'gone.jpg'} (not found): replaced in its batch" in caplog.text
+    assert torch.equal(batch["pixel_values"][2], batch["pixel_values"][3])
+    assert [row["labels"] for row in rows] == [0, 1, 2, 1]
+    assert batch["labels"].tolist() == [0, 0, 1, 1]  # the replacement's label, not the unreadable image's
+    assert f"Unreadable image {tmp_path / 'gone.jpg'} (not found): replaced in its training batch" in caplog.text
+    collate(rows)  # the next epoch meets them again: not recorded twice
     assert decoding.skipped_during_run(str(tmp_path)) == [
-        {"image": str(tmp_path / "gone.jpg"), "problem": "not found"},
-        {"image": None, "problem": "unreadable"},
+        {"split": "train", "image": str(tmp_path / "gone.jpg"), "problem": "not found"},
+        {"split": "train", "image": None, "problem": "unreadable"},
     ]
-    with pytest.raises(RuntimeError, match="every image of a batch is unreadable"):
-        DecodingCollator((16, 16), 255.0, "image")(rows[1:3])
+    assert len(record.read_text().splitlines()) == 2
+
+
+def test_a_training_batch_with_no_readable_image_trains_on_the_splits_first_readable_one(photos, caplog):
+    """No image of its batch to copy: the training split's first readable image (decoded when the collator is made),
+    with its label; with none among the split's first 64, black images keeping their rows' labels. Said in one line."""
+    prepared = prepare_images(splits_of(photos), 16, decode_args(decode_images="per_batch"))
+    train = prepared.train
+    others = [i for i, label in enumerate(train["labels"]) if label != train[0]["labels"]][:3]
+    broken = train.select(others).map(lambda row: {"image": {"path": None, "bytes": b"not an image"}})
+    rows = [broken[i] for i in range(3)]
+    collate = decoding.make_collator(replace(prepared, train=datasets.concatenate_datasets([broken, train])), None)
+    batch = collate(rows)
+    first = decoding.decode_to_chw(train[0]["image"], *prepared.storage_shape, prepared.white)[0]
+    assert all(np.array_equal(image.numpy(), first) for image in batch["pixel_values"])
+    assert batch["labels"].tolist() == [train[0]["labels"]] * 3
+    assert "No image of a training batch of 3 is readable: each trains as the training split's first readable" in (
+        caplog.text
+    )
+    batch = decoding.make_collator(replace(prepared, train=broken), None)(rows)
+    assert batch["pixel_values"].max() == 0 and batch["labels"].tolist() == [row["labels"] for row in rows]
+    assert "each trains as a black image" in caplog.text
+
+
+def test_evaluation_leaves_unreadable_images_out_of_a_batch_of_its_shape(photos, tmp_path):
+    """Evaluating, an unreadable image's row stays (accelerate's gather_for_metrics trims the last batch by counting
+    full ones), black and labelled LEFT_OUT (multi-label: the whole row); a batch of only unreadable images too."""
+    from vit_recipes.metrics import LEFT_OUT
+
+    splits = splits_of(photos)
+    training = DecodingCollator((16, 16), 255.0, "image", str(tmp_path / decoding.SKIPPED_DURING_RUN))
+    collate = training.for_evaluation("validation")
+    rows = [splits.validation[i] for i in range(3)]
+    gone = [{**row, "image": {"path": str(tmp_path / f"gone{i}.jpg"), "bytes": None}} for i, row in enumerate(rows)]
+    batch = collate([rows[0], gone[1], rows[2]])
+    assert batch["labels"].tolist() == [rows[0]["labels"], LEFT_OUT, rows[2]["labels"]]
+    assert batch["pixel_values"][1].max() == 0 and batch["pixel_values"][0].max() > 0
+    only = collate(gone)  # every image of the batch unreadable: no error
+    assert only["pixel_values"].shape == (3, 3, 16, 16) and only["labels"].tolist() == [LEFT_OUT] * 3
+    hot = [{**row, "labels": [0.0, 1.0, 1.0]} for row in (rows[0], gone[1])]
+    assert collate(hot)["labels"].tolist() == [[0.0, 1.0, 1.0], [LEFT_OUT] * 3]
+    assert {item["split"] for item in decoding.skipped_during_run(str(tmp_path))} == {"validation"}
+    assert len(decoding.skipped_during_run(str(tmp_path))) == 3
 
 
 def test_a_jpeg_over_pils_bomb_limit_decodes_at_reduced_scale_and_another_image_is_named_too_large(
@@ -358,13 +412,14 @@ def test_dataloader_workers_yield_the_cpu_to_the_main_process():
 
     class Trainer:  # the Trainer's loader, as DeviceBatches receives it
         args = SimpleNamespace(dataloader_drop_last=False)
+        data_collator = None
 
-        def _get_dataloader(self, *args, is_training=False, **kwargs):
-            return torch.utils.data.DataLoader(_Niceness(), batch_size=None, num_workers=2)
+        def _get_dataloader(self, dataset, *args, is_training=False, **kwargs):
+            return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
 
     class Batches(DeviceBatches, Trainer):
         def __init__(self):  # no Trainer to build
             pass
 
-    loader = Batches()._get_dataloader(is_training=True)
+    loader = Batches()._get_dataloader(_Niceness(), is_training=True)
     assert set(loader) == {min(19, os.nice(0) + WORKER_NICENESS)}
