@@ -1,10 +1,12 @@
 """The data path at real sizes: a folder indexed in one walk, and the choice between a decoded copy and decoding per
 batch in the DataLoader workers (src/vit_recipes/folder_index.py, decoding.py)."""
 
+import csv
 import errno
 import io
 import json
 import os
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -280,28 +282,94 @@ def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_partial_file(photo
 # ------------------------------------------------------------------------------------------------ whole runs
 
 
+def gif(frames: int = 2) -> bytes:
+    images = [PILImage.new("RGB", (8, 8), (255 * (i % 2), 0, 0)) for i in range(frames)]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:])
+    return buffer.getvalue()
+
+
 def test_a_run_on_a_jpeg_folder_decodes_per_batch_and_writes_no_copy(photos, tiny_vit, tmp_path, run_script, capsys,
                                                                      monkeypatch):  # fmt: skip
     """The script on a folder of photos, per batch (auto picks it for photos larger than the model's input, as the test
     above shows; this tiny model's 16 px input would make a small copy): one line saying so, no decoded copy on
-    disk, an unreadable photo replaced, reported in skipped_images.json and the card."""
+    disk. An unreadable training photo is replaced; three unreadable validation photos in a row, a whole evaluation
+    batch of 3, are left out: the 12 readable ones are scored, and the log and card say so. An animated GIF trains
+    on its first frame, counted in the log and the card. skipped_images.json lists the unreadable ones by split."""
     cache = tmp_path / "cache"
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
     broken = photos / "train" / "class_0001" / "broken.jpg"
-    broken.write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    animated = photos / "train" / "class_0002" / "animated.gif"
+    unreadable = [photos / "validation" / "class_0000" / f"0-{c}.jpg" for c in "abc"]  # sorted first: one batch
+    added = [broken, animated, *unreadable]
+    for path in [broken, *unreadable]:
+        path.write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    animated.write_bytes(gif())
     try:
         out = tmp_path / "out"
-        results = run_script(*run_args(photos, tiny_vit, out, "--max_steps", "8", "--decode_images", "per_batch"))
+        results = run_script(*run_args(photos, tiny_vit, out, "--max_steps", "8", "--decode_images", "per_batch",
+                                       "--per_device_eval_batch_size", "3", "--eval_strategy", "steps",
+                                       "--eval_steps", "8"))  # fmt: skip
     finally:
-        broken.unlink()
-    assert "Images decoded per batch by the DataLoader workers to 18x18 uint8" in capsys.readouterr().out
+        for path in added:
+            path.unlink()
+    said = capsys.readouterr().out  # the log too: the run's logging writes to stdout
+    assert "Images decoded per batch by the DataLoader workers to 18x18 uint8" in said
     assert not cache.exists() or not any(cache.rglob("*.arrow"))
-    assert results["eval_accuracy"] >= 0
     labels = json.loads((out / "labels.json").read_text())
     assert labels["storage_shape"] == [18, 18]
     skipped = json.loads((out / "skipped_images.json").read_text())
     assert skipped["train"] == [{"image": str(broken), "problem": "unreadable"}]
-    assert "train: 1 unreadable image(s) replaced in their batch" in (out / "README.md").read_text()
+    assert skipped["validation"] == [{"image": str(path), "problem": "unreadable"} for path in unreadable]
+    with open(out / "per_class_accuracy_validation.csv") as f:  # what was scored: the readable images only
+        assert sum(int(row["support"]) for row in csv.DictReader(f)) == 12
+    assert np.isfinite(results["eval_loss"]) and 0 <= results["eval_accuracy"] <= 1
+    assert "validation: 3 unreadable image(s) left out of this evaluation: its loss and metrics count the 12 " in said
+    card = (out / "README.md").read_text()
+    assert "train: 1 unreadable image(s) replaced in their batch by another of it" in card
+    assert "validation: 3 unreadable image(s) left out of its evaluation" in card
+    assert "train: 1 animated or multi-frame image(s): the first frame is used" in card
+    assert "WARNING vit_recipes.decoding: train: 1 animated or multi-frame image(s): the first frame is used" in said
+
+
+def test_a_stream_of_a_jpeg_folder_with_an_unreadable_image_ends_with_its_card(photos, tiny_vit, tmp_path, run_script):
+    """--streaming reads the training split as a stream, which cannot be indexed to place a recorded image: each
+    record names its split, so the card and skipped_images.json come as without a stream."""
+    broken = photos / "train" / "class_0001" / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    try:
+        out = tmp_path / "out"
+        run_script(*run_args(photos, tiny_vit, out, "--max_steps", "8", "--streaming", "true"))
+    finally:
+        broken.unlink()
+    assert json.loads((out / "skipped_images.json").read_text()) == {
+        "train": [{"image": str(broken), "problem": "unreadable"}]
+    }
+    assert "train: 1 unreadable image(s) replaced in their batch by another of it" in (out / "README.md").read_text()
+
+
+def test_predicting_alone_decodes_per_batch_and_writes_nothing_to_the_cache(photos, tiny_vit, tmp_path, run_script,
+                                                                             monkeypatch, capsys):  # fmt: skip
+    """--do_predict with --predict_images and no dataset: decoded by the DataLoader workers as the log says, not into
+    the datasets cache; an unreadable file is a row naming its problem, recorded by a worker process."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    images = tmp_path / "images"
+    shutil.copytree(photos / "validation", images)
+    (images / "class_0001" / "broken.jpg").write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    out = tmp_path / "out"
+    run_script("--model_name_or_path", tiny_vit, "--do_predict", "true", "--predict_images", images,
+               "--output_dir", out, "--use_cpu", "true", "--report_to", "none", "--dataloader_num_workers", "1")  # fmt: skip
+    assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
+    assert "13 images to predict, decoded per batch by the DataLoader workers to " in capsys.readouterr().out
+    with open(out / "predictions.csv") as f:
+        rows = {row["file"]: row for row in csv.DictReader(f)}
+    assert len(rows) == 13 and (rows["class_0001/broken.jpg"]["label"], rows["class_0001/broken.jpg"]["problem"]) == (
+        "",
+        "unreadable",
+    )
+    assert all(row["label"] and not row["problem"] for file, row in rows.items() if file != "class_0001/broken.jpg")
+    assert sorted(p.name for p in out.iterdir()) == [".run.lock", "all_results.json", "predictions.csv"]
 
 
 def test_jpeg_draft_decoding_covers_the_storage_size(tmp_path):
