@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -147,26 +148,34 @@ def rows_of_classes(splits: ImageSplits, classes: list[int]) -> list[dict]:
 
 def test_an_unreadable_image_in_a_batch_is_replaced_logged_and_recorded(photos, tmp_path, caplog):
     """Training: an unreadable image is replaced by a copy of another image of its batch, with that image's label
-    (the rows here are of other classes, so a kept label would show); recorded with its split, once per image."""
+    (the rows here are of other classes, so a kept label would show). Each is recorded once with its split, images
+    stored as bytes too (told apart by their bytes), and listed under it in skipped_images.json and the card."""
     splits = splits_of(photos)
-    rows = rows_of_classes(splits, [0, 1, 2, 1])
+    rows = rows_of_classes(splits, [0, 1, 2, 1, 2])
     rows[1] = {**rows[1], "image": {"path": str(tmp_path / "gone.jpg"), "bytes": None}}
     rows[2] = {**rows[2], "image": {"path": None, "bytes": b"\xff\xd8 truncated"}}
+    rows[4] = {**rows[4], "image": {"path": None, "bytes": b"\xff\xd8 truncated elsewhere"}}
     record = tmp_path / decoding.SKIPPED_DURING_RUN
     collate = DecodingCollator((16, 16), 255.0, "image", str(record))
     batch = collate(rows)
-    assert batch["pixel_values"].shape == (4, 3, 16, 16)  # the batch keeps its shape
+    assert batch["pixel_values"].shape == (5, 3, 16, 16)  # the batch keeps its shape
     assert torch.equal(batch["pixel_values"][1], batch["pixel_values"][0])
     assert torch.equal(batch["pixel_values"][2], batch["pixel_values"][3])
-    assert [row["labels"] for row in rows] == [0, 1, 2, 1]
-    assert batch["labels"].tolist() == [0, 0, 1, 1]  # the replacement's label, not the unreadable image's
+    assert [row["labels"] for row in rows] == [0, 1, 2, 1, 2]
+    assert batch["labels"].tolist() == [0, 0, 1, 1, 0]  # the replacement's label, not the unreadable image's
     assert f"Unreadable image {tmp_path / 'gone.jpg'} (not found): replaced in its training batch" in caplog.text
     collate(rows)  # the next epoch meets them again: not recorded twice
+    bytes_stored = {"image": None, "problem": "unreadable"}
     assert decoding.skipped_during_run(str(tmp_path)) == [
         {"split": "train", "image": str(tmp_path / "gone.jpg"), "problem": "not found"},
-        {"split": "train", "image": None, "problem": "unreadable"},
+        {"split": "train", **bytes_stored},
+        {"split": "train", **bytes_stored},
     ]
-    assert len(record.read_text().splitlines()) == 2
+    assert len(record.read_text().splitlines()) == 3
+    noted = decoding.note_skipped_during_run(replace(splits, decode="per_batch"), str(tmp_path))
+    assert noted.skipped == {"train": [{"image": str(tmp_path / "gone.jpg"), "problem": "not found"}, bytes_stored,
+                                       bytes_stored]}  # fmt: skip
+    assert noted.notes == ["train: 3 unreadable image(s) replaced in their batch by another of it"]
 
 
 def test_a_training_batch_with_no_readable_image_trains_on_the_splits_first_readable_one(photos, caplog):
@@ -254,27 +263,39 @@ def test_the_decoded_copy_is_checked_for_room_before_any_work(photos, monkeypatc
     assert calls == []
 
 
-def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_partial_file(photos, tmp_path, monkeypatch):
-    """ENOSPC in the middle of the cache write (a small filesystem, simulated): one line naming the cache folder and
-    the size needed, and no half-written file left in the cache."""
+def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """ENOSPC in the middle of the cache write (a small filesystem, simulated) while 2 processes decode (over 1,000
+    images): one line naming the cache folder and the size needed, and no file of the copy left in the cache. The
+    shard a process finished is a whole file that `datasets` keeps (it removes only its temporary files); left there,
+    the next run would find the copy's name on disk and skip the room check."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    splits = splits_of(photos)
+    folder = tmp_path / "cache" / "vit_recipes_decoded"
+    tiny = png(np.zeros((2, 2, 3), np.uint8))
+    train = datasets.Dataset.from_dict(
+        {"image": [{"bytes": tiny, "path": None}] * 1002, "labels": [0] * 501 + [1] * 501},
+        features=datasets.Features({"image": datasets.Image(decode=False), "labels": datasets.Value("int64")}),
+    )
     from datasets import arrow_writer
 
     written = arrow_writer.ArrowWriter.write_batch
 
-    def fill_the_disk(self, *args, **kwargs):
-        written(self, *args, **kwargs)
-        self.stream.flush()
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def fill_the_disk(self, batch, *args, **kwargs):  # the second shard's process (labels 1), once the first is done
+        written(self, batch, *args, **kwargs)
+        labels = batch["labels"]  # an Arrow column here
+        if 1 in (labels.to_pylist() if hasattr(labels, "to_pylist") else labels):
+            for _ in range(600):
+                if list(folder.glob("*_00000_of_00002.arrow")):
+                    break
+                time.sleep(0.05)
+            self.stream.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(arrow_writer.ArrowWriter, "write_batch", fill_the_disk)
-    folder = tmp_path / "cache" / "vit_recipes_decoded"
     with pytest.raises(RecipeError) as caught:
-        decode_splits(splits, 64)
+        decode_splits(ImageSplits(train, None, None, "image", ["a", "b"], "ClassLabel"), 2, num_proc=2)
     message = str(caught.value)
     assert message.startswith(f"the datasets cache {folder} filled up while decoding (")
-    assert "the decoded copy needs 787 KiB); its partial files are removed" in message
+    assert "the decoded copy needs 12 KiB); its partial files are removed" in message
     assert "\n" not in message
     assert [p.name for p in folder.iterdir()] == []
 
@@ -372,14 +393,22 @@ def test_predicting_alone_decodes_per_batch_and_writes_nothing_to_the_cache(phot
     assert sorted(p.name for p in out.iterdir()) == [".run.lock", "all_results.json", "predictions.csv"]
 
 
-def test_jpeg_draft_decoding_covers_the_storage_size(tmp_path):
-    """A large JPEG is decoded at a reduced DCT scale only where the result still covers the storage size."""
+def test_jpeg_draft_decoding_covers_the_storage_size(tmp_path, monkeypatch):
+    """A large JPEG is decoded at a reduced DCT scale only where the result still covers the storage size: 1600x1200
+    decodes at 1/4 (400x300) for 256x256 (1/8, 200x150, would not cover it) and at 1/8 for 128x128."""
+    from PIL import ImageOps
+
     from vit_recipes.images import decode_to_chw
 
     big = tmp_path / "big.jpg"
     PILImage.fromarray(np.random.default_rng(0).integers(0, 255, (1200, 1600, 3), np.uint8)).save(big, quality=90)
+    decoded, fit = [], ImageOps.fit
+    monkeypatch.setattr(ImageOps, "fit", lambda image, *args, **kwargs: decoded.append(image.size) or fit(image, *args,
+                                                                                                          **kwargs))  # fmt: skip
     array, done = decode_to_chw(str(big), 256, 256)
     assert array.shape == (3, 256, 256) and done == "resized"
+    assert decode_to_chw(str(big), 128, 128)[0].shape == (3, 128, 128)
+    assert decoded == [(400, 300), (200, 150)]  # the sizes decoded, before the fit
     assert storage_format(datasets.Dataset.from_dict({"image": [str(big)]}), "image", 224, None).shape == (256, 256)
 
 
@@ -434,6 +463,37 @@ def test_the_high_bit_depth_note_counts_only_the_images_it_scales(caplog):
         "High-bit-depth images (2 of 3 sampled, largest value 4095): those are scaled by 255/4095 to 8 bits; "
         "8-bit images are stored as they are" in caplog.text
     )
+
+
+def test_a_high_bit_depth_image_after_the_first_64_is_scaled_by_its_own_white_and_noted(tmp_path, monkeypatch):
+    """The white level comes from the first 64 images (8-bit here: 255). A 16-bit PNG met later was clipped to a white
+    square; it is scaled by its own bit depth's white instead, per image, on both paths alike, and the log and card
+    count it, as they count an animated GIF decoded per batch. Prediction (labels.json's white) decodes it alike."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    deep = np.linspace(0, 60000, 16).reshape(4, 4).astype(np.uint16)
+    values = [png(np.full((4, 4, 3), i, np.uint8)) for i in range(64)] + [png(deep), gif()]
+    split = datasets.Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in values], "labels": [i % 2 for i in range(66)]},
+        features=datasets.Features({"image": datasets.Image(decode=False), "labels": datasets.Value("int64")}),
+    )
+    storage = storage_format(split, "image", 4, None)
+    assert storage.white == 255 and storage.shape == (4, 4)
+    batch = DecodingCollator(storage.shape, storage.white, "image", str(tmp_path / decoding.SKIPPED_DURING_RUN))(
+        [split[64], split[65], split[0]]
+    )
+    expected = (deep * (255 / 65535)).astype(np.uint8)  # 65535: the white of 16 bits, which hold 60000
+    assert all(np.array_equal(channel.numpy(), expected) for channel in batch["pixel_values"][0])
+    splits = ImageSplits(split, None, None, "image", ["a", "b"], "ClassLabel", (4, 4), 255.0, decode="per_batch")
+    brighter = (
+        "train: 1 high-bit-depth image(s) brighter than the white level 255 (set by the first 64 images): each scaled "
+        "by its own bit depth's white instead of clipping"
+    )
+    animated = "train: 1 animated or multi-frame image(s): the first frame is used"
+    assert decoding.note_skipped_during_run(splits, str(tmp_path)).notes == [animated, brighter]
+    once = decode_splits(replace(splits, decode="once"), 4)
+    assert once.train["pixels"][64] == batch["pixel_values"][0].numpy().tobytes() and brighter in once.notes
+    predicted = decoding.decode_to_chw(split[64]["image"], 4, 4, json.loads(json.dumps(once.white)))[0]
+    assert np.array_equal(predicted, batch["pixel_values"][0].numpy())
 
 
 def test_a_decoded_copy_already_on_disk_is_used_whatever_the_free_space(photos, monkeypatch, tmp_path):
