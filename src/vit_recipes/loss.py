@@ -75,7 +75,8 @@ class ClassificationLoss:
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         if output.label_ids is None or (scored := scored_rows(output.label_ids)).all():
             return output
-        left_out, name = int((~scored).sum()), self.split_name(getattr(dataloader, "dataset", None))
+        name = self.split_name(getattr(dataloader, "dataset", None)) or metric_key_prefix
+        left_out = int((~scored).sum())
         if output.predictions is not None:
             logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
             loss = evaluation_loss(torch.from_numpy(np.asarray(logits)).float(), torch.from_numpy(output.label_ids))
