@@ -245,7 +245,7 @@ def test_a_jpeg_over_pils_bomb_limit_decodes_at_reduced_scale_and_another_image_
     rows[1] = {**rows[1], "image": {"path": None, "bytes": big_png}}
     batch = DecodingCollator((16, 16), 255.0, "image", str(tmp_path / decoding.SKIPPED_DURING_RUN))(rows)
     assert batch["pixel_values"].shape == (3, 3, 16, 16)
-    assert decoding.skipped_during_run(str(tmp_path)) == [{"image": None, "problem": "too large"}]
+    assert decoding.skipped_during_run(str(tmp_path)) == [{"split": "train", "image": None, "problem": "too large"}]
 
 
 # ------------------------------------------------------------------------------------------------- disk room
