@@ -1,11 +1,15 @@
 """The data path at real sizes: a folder indexed in one walk, and the choice between a decoded copy and decoding per
 batch in the DataLoader workers (src/vit_recipes/folder_index.py, decoding.py)."""
 
+import csv
 import errno
 import io
 import json
 import os
+import shutil
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -136,23 +140,84 @@ def test_per_batch_decoding_delivers_the_pixels_of_the_decoded_copy(photos):
     assert torch.equal(batch["labels"], expected["labels"])
 
 
+def rows_of_classes(splits: ImageSplits, classes: list[int]) -> list[dict]:
+    """Training rows of the given classes, in that order (the fixture's first rows share one class)."""
+    labels = splits.train["labels"]
+    return [splits.train[labels.index(c, 3 * n)] for n, c in enumerate(classes)]
+
+
 def test_an_unreadable_image_in_a_batch_is_replaced_logged_and_recorded(photos, tmp_path, caplog):
+    """Training: an unreadable image is replaced by a copy of another image of its batch, with that image's label
+    (the rows here are of other classes, so a kept label would show). Each is recorded once with its split, images
+    stored as bytes too (told apart by their bytes), and listed under it in skipped_images.json and the card."""
     splits = splits_of(photos)
-    rows = [splits.train[i] for i in range(4)]
+    rows = rows_of_classes(splits, [0, 1, 2, 1, 2])
     rows[1] = {**rows[1], "image": {"path": str(tmp_path / "gone.jpg"), "bytes": None}}
     rows[2] = {**rows[2], "image": {"path": None, "bytes": b"\xff\xd8 truncated"}}
+    rows[4] = {**rows[4], "image": {"path": None, "bytes": b"\xff\xd8 truncated elsewhere"}}
     record = tmp_path / decoding.SKIPPED_DURING_RUN
-    batch = DecodingCollator((16, 16), 255.0, "image", str(record))(rows)
-    assert batch["pixel_values"].shape == (4, 3, 16, 16)  # the batch keeps its shape
+    collate = DecodingCollator((16, 16), 255.0, "image", str(record))
+    batch = collate(rows)
+    assert batch["pixel_values"].shape == (5, 3, 16, 16)  # the batch keeps its shape
     assert torch.equal(batch["pixel_values"][1], batch["pixel_values"][0])
-    assert batch["labels"].tolist() == [rows[0]["labels"], rows[0]["labels"], rows[3]["labels"], rows[3]["labels"]]
-    assert f"Unreadable image {tmp_path / 'gone.jpg'} (not found): replaced in its batch" in caplog.text
+    assert torch.equal(batch["pixel_values"][2], batch["pixel_values"][3])
+    assert [row["labels"] for row in rows] == [0, 1, 2, 1, 2]
+    assert batch["labels"].tolist() == [0, 0, 1, 1, 0]  # the replacement's label, not the unreadable image's
+    assert f"Unreadable image {tmp_path / 'gone.jpg'} (not found): replaced in its training batch" in caplog.text
+    collate(rows)  # the next epoch meets them again: not recorded twice
+    bytes_stored = {"image": None, "problem": "unreadable"}
     assert decoding.skipped_during_run(str(tmp_path)) == [
-        {"image": str(tmp_path / "gone.jpg"), "problem": "not found"},
-        {"image": None, "problem": "unreadable"},
+        {"split": "train", "image": str(tmp_path / "gone.jpg"), "problem": "not found"},
+        {"split": "train", **bytes_stored},
+        {"split": "train", **bytes_stored},
     ]
-    with pytest.raises(RuntimeError, match="every image of a batch is unreadable"):
-        DecodingCollator((16, 16), 255.0, "image")(rows[1:3])
+    assert len(record.read_text().splitlines()) == 3
+    noted = decoding.note_skipped_during_run(replace(splits, decode="per_batch"), str(tmp_path))
+    assert noted.skipped == {"train": [{"image": str(tmp_path / "gone.jpg"), "problem": "not found"}, bytes_stored,
+                                       bytes_stored]}  # fmt: skip
+    assert noted.notes == ["train: 3 unreadable image(s) replaced in their batch by another of it"]
+
+
+def test_a_training_batch_with_no_readable_image_trains_on_the_splits_first_readable_one(photos, caplog):
+    """No image of its batch to copy: the training split's first readable image (decoded when the collator is made),
+    with its label; with none among the split's first 64, black images keeping their rows' labels. Said in one line."""
+    prepared = prepare_images(splits_of(photos), 16, decode_args(decode_images="per_batch"))
+    train = prepared.train
+    others = [i for i, label in enumerate(train["labels"]) if label != train[0]["labels"]][:3]
+    broken = train.select(others).map(lambda row: {"image": {"path": None, "bytes": b"not an image"}})
+    rows = [broken[i] for i in range(3)]
+    collate = decoding.make_collator(replace(prepared, train=datasets.concatenate_datasets([broken, train])), None)
+    batch = collate(rows)
+    first = decoding.decode_to_chw(train[0]["image"], *prepared.storage_shape, prepared.white)[0]
+    assert all(np.array_equal(image.numpy(), first) for image in batch["pixel_values"])
+    assert batch["labels"].tolist() == [train[0]["labels"]] * 3
+    assert "No image of a training batch of 3 is readable: each trains as the training split's first readable" in (
+        caplog.text
+    )
+    batch = decoding.make_collator(replace(prepared, train=broken), None)(rows)
+    assert batch["pixel_values"].max() == 0 and batch["labels"].tolist() == [row["labels"] for row in rows]
+    assert "each trains as a black image" in caplog.text
+
+
+def test_evaluation_leaves_unreadable_images_out_of_a_batch_of_its_shape(photos, tmp_path):
+    """Evaluating, an unreadable image's row stays (accelerate's gather_for_metrics trims the last batch by counting
+    full ones), black and labelled LEFT_OUT (multi-label: the whole row); a batch of only unreadable images too."""
+    from vit_recipes.metrics import LEFT_OUT
+
+    splits = splits_of(photos)
+    training = DecodingCollator((16, 16), 255.0, "image", str(tmp_path / decoding.SKIPPED_DURING_RUN))
+    collate = training.for_evaluation("validation")
+    rows = [splits.validation[i] for i in range(3)]
+    gone = [{**row, "image": {"path": str(tmp_path / f"gone{i}.jpg"), "bytes": None}} for i, row in enumerate(rows)]
+    batch = collate([rows[0], gone[1], rows[2]])
+    assert batch["labels"].tolist() == [rows[0]["labels"], LEFT_OUT, rows[2]["labels"]]
+    assert batch["pixel_values"][1].max() == 0 and batch["pixel_values"][0].max() > 0
+    only = collate(gone)  # every image of the batch unreadable: no error
+    assert only["pixel_values"].shape == (3, 3, 16, 16) and only["labels"].tolist() == [LEFT_OUT] * 3
+    hot = [{**row, "labels": [0.0, 1.0, 1.0]} for row in (rows[0], gone[1])]
+    assert collate(hot)["labels"].tolist() == [[0.0, 1.0, 1.0], [LEFT_OUT] * 3]
+    assert {item["split"] for item in decoding.skipped_during_run(str(tmp_path))} == {"validation"}
+    assert len(decoding.skipped_during_run(str(tmp_path))) == 3
 
 
 def test_a_jpeg_over_pils_bomb_limit_decodes_at_reduced_scale_and_another_image_is_named_too_large(
@@ -180,7 +245,7 @@ def test_a_jpeg_over_pils_bomb_limit_decodes_at_reduced_scale_and_another_image_
     rows[1] = {**rows[1], "image": {"path": None, "bytes": big_png}}
     batch = DecodingCollator((16, 16), 255.0, "image", str(tmp_path / decoding.SKIPPED_DURING_RUN))(rows)
     assert batch["pixel_values"].shape == (3, 3, 16, 16)
-    assert decoding.skipped_during_run(str(tmp_path)) == [{"image": None, "problem": "too large"}]
+    assert decoding.skipped_during_run(str(tmp_path)) == [{"split": "train", "image": None, "problem": "too large"}]
 
 
 # ------------------------------------------------------------------------------------------------- disk room
@@ -198,27 +263,39 @@ def test_the_decoded_copy_is_checked_for_room_before_any_work(photos, monkeypatc
     assert calls == []
 
 
-def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_partial_file(photos, tmp_path, monkeypatch):
-    """ENOSPC in the middle of the cache write (a small filesystem, simulated): one line naming the cache folder and
-    the size needed, and no half-written file left in the cache."""
+def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """ENOSPC in the middle of the cache write (a small filesystem, simulated) while 2 processes decode (over 1,000
+    images): one line naming the cache folder and the size needed, and no file of the copy left in the cache. The
+    shard a process finished is a whole file that `datasets` keeps (it removes only its temporary files); left there,
+    the next run would find the copy's name on disk and skip the room check."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    splits = splits_of(photos)
+    folder = tmp_path / "cache" / "vit_recipes_decoded"
+    tiny = png(np.zeros((2, 2, 3), np.uint8))
+    train = datasets.Dataset.from_dict(
+        {"image": [{"bytes": tiny, "path": None}] * 1002, "labels": [0] * 501 + [1] * 501},
+        features=datasets.Features({"image": datasets.Image(decode=False), "labels": datasets.Value("int64")}),
+    )
     from datasets import arrow_writer
 
     written = arrow_writer.ArrowWriter.write_batch
 
-    def fill_the_disk(self, *args, **kwargs):
-        written(self, *args, **kwargs)
-        self.stream.flush()
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def fill_the_disk(self, batch, *args, **kwargs):  # the second shard's process (labels 1), once the first is done
+        written(self, batch, *args, **kwargs)
+        labels = batch["labels"]  # an Arrow column here
+        if 1 in (labels.to_pylist() if hasattr(labels, "to_pylist") else labels):
+            for _ in range(600):
+                if list(folder.glob("*_00000_of_00002.arrow")):
+                    break
+                time.sleep(0.05)
+            self.stream.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(arrow_writer.ArrowWriter, "write_batch", fill_the_disk)
-    folder = tmp_path / "cache" / "vit_recipes_decoded"
     with pytest.raises(RecipeError) as caught:
-        decode_splits(splits, 64)
+        decode_splits(ImageSplits(train, None, None, "image", ["a", "b"], "ClassLabel"), 2, num_proc=2)
     message = str(caught.value)
     assert message.startswith(f"the datasets cache {folder} filled up while decoding (")
-    assert "the decoded copy needs 787 KiB); its partial files are removed" in message
+    assert "the decoded copy needs 12 KiB); its partial files are removed" in message
     assert "\n" not in message
     assert [p.name for p in folder.iterdir()] == []
 
@@ -226,38 +303,112 @@ def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_partial_file(photo
 # ------------------------------------------------------------------------------------------------ whole runs
 
 
+def gif(frames: int = 2) -> bytes:
+    images = [PILImage.new("RGB", (8, 8), (255 * (i % 2), 0, 0)) for i in range(frames)]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:])
+    return buffer.getvalue()
+
+
 def test_a_run_on_a_jpeg_folder_decodes_per_batch_and_writes_no_copy(photos, tiny_vit, tmp_path, run_script, capsys,
                                                                      monkeypatch):  # fmt: skip
     """The script on a folder of photos, per batch (auto picks it for photos larger than the model's input, as the test
     above shows; this tiny model's 16 px input would make a small copy): one line saying so, no decoded copy on
-    disk, an unreadable photo replaced, reported in skipped_images.json and the card."""
+    disk. An unreadable training photo is replaced; three unreadable validation photos in a row, a whole evaluation
+    batch of 3, are left out: the 12 readable ones are scored, and the log and card say so. An animated GIF trains
+    on its first frame, counted in the log and the card. skipped_images.json lists the unreadable ones by split."""
     cache = tmp_path / "cache"
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
     broken = photos / "train" / "class_0001" / "broken.jpg"
-    broken.write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    animated = photos / "train" / "class_0002" / "animated.gif"
+    unreadable = [photos / "validation" / "class_0000" / f"0-{c}.jpg" for c in "abc"]  # sorted first: one batch
+    added = [broken, animated, *unreadable]
+    for path in [broken, *unreadable]:
+        path.write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    animated.write_bytes(gif())
     try:
         out = tmp_path / "out"
-        results = run_script(*run_args(photos, tiny_vit, out, "--max_steps", "8", "--decode_images", "per_batch"))
+        results = run_script(*run_args(photos, tiny_vit, out, "--max_steps", "8", "--decode_images", "per_batch",
+                                       "--per_device_eval_batch_size", "3", "--eval_strategy", "steps",
+                                       "--eval_steps", "8"))  # fmt: skip
     finally:
-        broken.unlink()
-    assert "Images decoded per batch by the DataLoader workers to 18x18 uint8" in capsys.readouterr().out
+        for path in added:
+            path.unlink()
+    said = capsys.readouterr().out  # the log too: the run's logging writes to stdout
+    assert "Images decoded per batch by the DataLoader workers to 18x18 uint8" in said
     assert not cache.exists() or not any(cache.rglob("*.arrow"))
-    assert results["eval_accuracy"] >= 0
     labels = json.loads((out / "labels.json").read_text())
     assert labels["storage_shape"] == [18, 18]
     skipped = json.loads((out / "skipped_images.json").read_text())
     assert skipped["train"] == [{"image": str(broken), "problem": "unreadable"}]
-    assert "train: 1 unreadable image(s) replaced in their batch" in (out / "README.md").read_text()
+    assert skipped["validation"] == [{"image": str(path), "problem": "unreadable"} for path in unreadable]
+    with open(out / "per_class_accuracy_validation.csv") as f:  # what was scored: the readable images only
+        assert sum(int(row["support"]) for row in csv.DictReader(f)) == 12
+    assert np.isfinite(results["eval_loss"]) and 0 <= results["eval_accuracy"] <= 1
+    assert "validation: 3 unreadable image(s) left out of this evaluation: its loss and metrics count the 12 " in said
+    card = (out / "README.md").read_text()
+    assert "train: 1 unreadable image(s) replaced in their batch by another of it" in card
+    assert "validation: 3 unreadable image(s) left out of its evaluation" in card
+    assert "train: 1 animated or multi-frame image(s): the first frame is used" in card
+    assert "WARNING vit_recipes.decoding: train: 1 animated or multi-frame image(s): the first frame is used" in said
 
 
-def test_jpeg_draft_decoding_covers_the_storage_size(tmp_path):
-    """A large JPEG is decoded at a reduced DCT scale only where the result still covers the storage size."""
+def test_a_stream_of_a_jpeg_folder_with_an_unreadable_image_ends_with_its_card(photos, tiny_vit, tmp_path, run_script):
+    """--streaming reads the training split as a stream, which cannot be indexed to place a recorded image: each
+    record names its split, so the card and skipped_images.json come as without a stream."""
+    broken = photos / "train" / "class_0001" / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    try:
+        out = tmp_path / "out"
+        run_script(*run_args(photos, tiny_vit, out, "--max_steps", "8", "--streaming", "true"))
+    finally:
+        broken.unlink()
+    assert json.loads((out / "skipped_images.json").read_text()) == {
+        "train": [{"image": str(broken), "problem": "unreadable"}]
+    }
+    assert "train: 1 unreadable image(s) replaced in their batch by another of it" in (out / "README.md").read_text()
+
+
+def test_predicting_alone_decodes_per_batch_and_writes_nothing_to_the_cache(photos, tiny_vit, tmp_path, run_script,
+                                                                             monkeypatch, capsys):  # fmt: skip
+    """--do_predict with --predict_images and no dataset: decoded by the DataLoader workers as the log says, not into
+    the datasets cache; an unreadable file is a row naming its problem, recorded by a worker process."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    images = tmp_path / "images"
+    shutil.copytree(photos / "validation", images)
+    (images / "class_0001" / "broken.jpg").write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    out = tmp_path / "out"
+    run_script("--model_name_or_path", tiny_vit, "--do_predict", "true", "--predict_images", images,
+               "--output_dir", out, "--use_cpu", "true", "--report_to", "none", "--dataloader_num_workers", "1")  # fmt: skip
+    assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
+    assert "13 images to predict, decoded per batch by the DataLoader workers to " in capsys.readouterr().out
+    with open(out / "predictions.csv") as f:
+        rows = {row["file"]: row for row in csv.DictReader(f)}
+    assert len(rows) == 13 and (rows["class_0001/broken.jpg"]["label"], rows["class_0001/broken.jpg"]["problem"]) == (
+        "",
+        "unreadable",
+    )
+    assert all(row["label"] and not row["problem"] for file, row in rows.items() if file != "class_0001/broken.jpg")
+    assert sorted(p.name for p in out.iterdir()) == [".run.lock", "all_results.json", "predictions.csv"]
+
+
+def test_jpeg_draft_decoding_covers_the_storage_size(tmp_path, monkeypatch):
+    """A large JPEG is decoded at a reduced DCT scale only where the result still covers the storage size: 1600x1200
+    decodes at 1/4 (400x300) for 256x256 (1/8, 200x150, would not cover it) and at 1/8 for 128x128."""
+    from PIL import ImageOps
+
     from vit_recipes.images import decode_to_chw
 
     big = tmp_path / "big.jpg"
     PILImage.fromarray(np.random.default_rng(0).integers(0, 255, (1200, 1600, 3), np.uint8)).save(big, quality=90)
+    decoded, fit = [], ImageOps.fit
+    monkeypatch.setattr(ImageOps, "fit", lambda image, *args, **kwargs: decoded.append(image.size) or fit(image, *args,
+                                                                                                          **kwargs))  # fmt: skip
     array, done = decode_to_chw(str(big), 256, 256)
     assert array.shape == (3, 256, 256) and done == "resized"
+    assert decode_to_chw(str(big), 128, 128)[0].shape == (3, 128, 128)
+    assert decoded == [(400, 300), (200, 150)]  # the sizes decoded, before the fit
     assert storage_format(datasets.Dataset.from_dict({"image": [str(big)]}), "image", 224, None).shape == (256, 256)
 
 
@@ -314,6 +465,37 @@ def test_the_high_bit_depth_note_counts_only_the_images_it_scales(caplog):
     )
 
 
+def test_a_high_bit_depth_image_after_the_first_64_is_scaled_by_its_own_white_and_noted(tmp_path, monkeypatch):
+    """The white level comes from the first 64 images (8-bit here: 255). A 16-bit PNG met later was clipped to a white
+    square; it is scaled by its own bit depth's white instead, per image, on both paths alike, and the log and card
+    count it, as they count an animated GIF decoded per batch. Prediction (labels.json's white) decodes it alike."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    deep = np.linspace(0, 60000, 16).reshape(4, 4).astype(np.uint16)
+    values = [png(np.full((4, 4, 3), i, np.uint8)) for i in range(64)] + [png(deep), gif()]
+    split = datasets.Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in values], "labels": [i % 2 for i in range(66)]},
+        features=datasets.Features({"image": datasets.Image(decode=False), "labels": datasets.Value("int64")}),
+    )
+    storage = storage_format(split, "image", 4, None)
+    assert storage.white == 255 and storage.shape == (4, 4)
+    batch = DecodingCollator(storage.shape, storage.white, "image", str(tmp_path / decoding.SKIPPED_DURING_RUN))(
+        [split[64], split[65], split[0]]
+    )
+    expected = (deep * (255 / 65535)).astype(np.uint8)  # 65535: the white of 16 bits, which hold 60000
+    assert all(np.array_equal(channel.numpy(), expected) for channel in batch["pixel_values"][0])
+    splits = ImageSplits(split, None, None, "image", ["a", "b"], "ClassLabel", (4, 4), 255.0, decode="per_batch")
+    brighter = (
+        "train: 1 high-bit-depth image(s) brighter than the white level 255 (set by the first 64 images): each scaled "
+        "by its own bit depth's white instead of clipping"
+    )
+    animated = "train: 1 animated or multi-frame image(s): the first frame is used"
+    assert decoding.note_skipped_during_run(splits, str(tmp_path)).notes == [animated, brighter]
+    once = decode_splits(replace(splits, decode="once"), 4)
+    assert once.train["pixels"][64] == batch["pixel_values"][0].numpy().tobytes() and brighter in once.notes
+    predicted = decoding.decode_to_chw(split[64]["image"], 4, 4, json.loads(json.dumps(once.white)))[0]
+    assert np.array_equal(predicted, batch["pixel_values"][0].numpy())
+
+
 def test_a_decoded_copy_already_on_disk_is_used_whatever_the_free_space(photos, monkeypatch, tmp_path):
     """The second run of the same data writes nothing: the room check must not refuse it on a disk that filled since."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
@@ -358,13 +540,14 @@ def test_dataloader_workers_yield_the_cpu_to_the_main_process():
 
     class Trainer:  # the Trainer's loader, as DeviceBatches receives it
         args = SimpleNamespace(dataloader_drop_last=False)
+        data_collator = None
 
-        def _get_dataloader(self, *args, is_training=False, **kwargs):
-            return torch.utils.data.DataLoader(_Niceness(), batch_size=None, num_workers=2)
+        def _get_dataloader(self, dataset, *args, is_training=False, **kwargs):
+            return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
 
     class Batches(DeviceBatches, Trainer):
         def __init__(self):  # no Trainer to build
             pass
 
-    loader = Batches()._get_dataloader(is_training=True)
+    loader = Batches()._get_dataloader(_Niceness(), is_training=True)
     assert set(loader) == {min(19, os.nice(0) + WORKER_NICENESS)}

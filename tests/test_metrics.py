@@ -128,3 +128,73 @@ def test_top5_is_left_out_with_five_classes_or_fewer():
     assert "top5_accuracy" not in few and few["accuracy"] == 0.75
     many = compute(EvalPrediction(predictions=np.eye(6, dtype=np.float32), label_ids=np.arange(6)))
     assert many["top5_accuracy"] == 1.0
+
+
+# ------------------------------------------------------------------------ rows without an image (decoding per batch)
+
+
+def with_left_out(logits: np.ndarray, labels: np.ndarray, rows: list[int]):
+    """The arrays with rows of unreadable images inserted at `rows`: logits that would score, labels LEFT_OUT."""
+    from vit_recipes.metrics import LEFT_OUT
+
+    for row in rows:
+        logits = np.insert(logits, row, 1e4 * (np.arange(logits.shape[1]) == 1), axis=0)
+        labels = np.insert(labels, row, np.full(labels.shape[1:], LEFT_OUT, labels.dtype), axis=0)
+    return logits, labels
+
+
+def test_rows_of_unreadable_images_are_left_out_of_the_metrics():
+    """Evaluation decoding per batch keeps a batch's shape and labels an unreadable image's row LEFT_OUT: the
+    metrics are those of the other rows alone (single- and multi-label), and none at all when every row is such."""
+    logits, labels = hard_case(4, 10, 60)
+    padded = with_left_out(logits, labels, [0, 1, 2, 30])
+    compute = make_compute_metrics()
+    assert compute(EvalPrediction(*padded)) == compute(EvalPrediction(logits, labels))
+    rng = np.random.default_rng(0)
+    scores, hot = rng.normal(size=(40, 6)), (rng.random((40, 6)) < 0.3).astype(np.float32)
+    multi = make_compute_metrics(multi_label=True)
+    assert multi(EvalPrediction(*with_left_out(scores, hot, [5, 6]))) == multi(EvalPrediction(scores, hot))
+    assert compute(EvalPrediction(*with_left_out(logits[:0], labels[:0], [0, 0]))) == {}
+
+
+def test_the_evaluation_loss_and_reports_count_only_the_images_read(tmp_path, caplog):
+    """The Trainer's eval loss is the mean of its batches' losses: with rows left out it is recomputed over the
+    images read (an all-unreadable batch adds nothing, not a NaN); the per-class report counts those images only."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.trainer_utils import EvalLoopOutput
+
+    from vit_recipes.loss import ClassificationLoss, evaluation_loss
+    from vit_recipes.reports import write_reports
+
+    logits, labels = hard_case(5, 10, 50)
+    padded_logits, padded_labels = with_left_out(logits, labels, [0, 1, 2])
+    expected = F.cross_entropy(torch.from_numpy(logits).float(), torch.from_numpy(labels)).item()
+    assert evaluation_loss(torch.from_numpy(padded_logits), torch.from_numpy(padded_labels)).item() == pytest.approx(
+        expected, rel=1e-6
+    )
+    assert evaluation_loss(torch.zeros(3, 4), torch.full((3,), -100)).item() == 0  # a batch of unreadable images
+
+    class Loop:  # the Trainer's loop: each batch's mean loss weighted alike (here: a wrong number)
+        def evaluation_loop(self, *args, **kwargs):
+            metrics = {"eval_loss": float("nan"), "eval_accuracy": 0.5}
+            return EvalLoopOutput(padded_logits, padded_labels, metrics, len(padded_labels))
+
+    class Trainer(ClassificationLoss, Loop):
+        def __init__(self):  # no Trainer to build
+            pass
+
+        def split_name(self, dataset):
+            return "validation"
+
+        def is_world_process_zero(self):
+            return True
+
+    output = Trainer().evaluation_loop(None, "Evaluation")
+    assert output.metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert "validation: 3 unreadable image(s) left out of this evaluation: its loss and metrics count the 50 " in (
+        caplog.text
+    )
+    reports = write_reports(padded_logits, padded_labels, [str(i) for i in range(10)], str(tmp_path), "validation",
+                            draw=lambda *args, **kwargs: None)  # fmt: skip
+    assert "Accuracy" in reports["markdown"] and "on 50 samples" in reports["markdown"]

@@ -39,8 +39,9 @@ class DeviceBatches:
     bytes through the loaders and the copy), which the device's transform augments (training) or normalizes (eval).
     """
 
-    def __init__(self, *args, train_transform=None, eval_transform=None, sample_weights=None, **kw):
+    def __init__(self, *args, train_transform=None, eval_transform=None, sample_weights=None, named_splits=None, **kw):
         super().__init__(*args, **kw)
+        self.named_splits = dict(named_splits or {})  # "validation": its Dataset, ...: which split a loader reads
         self.sample_weights = sample_weights  # --class_weights balanced_sampler: one draw weight per training image
         self.train_transform = train_transform.to(self.args.device) if train_transform is not None else None
         self.eval_transform = eval_transform.to(self.args.device) if eval_transform is not None else None
@@ -48,11 +49,23 @@ class DeviceBatches:
         self.randomness: Randomness | None = None  # a training batch's draws: its transform's, mixup's (loss.py)
         self._micro_batch = (-1, 0)  # (global step, micro-batch index within it): with the rank, the draws' key
 
-    def _get_dataloader(self, *args, is_training=False, **kwargs):
+    def split_name(self, dataset) -> str | None:
+        """The name of the split `dataset` is (compared by identity), else None."""
+        return next((name for name, split in self.named_splits.items() if split is dataset), None)
+
+    def _get_dataloader(self, dataset, *args, is_training=False, **kwargs):
         # Replaces: the Trainer drops short last batches from every loader when asked. Ours drops them (for
         # torch.compile) in training only: evaluation and prediction score every image.
-        with swapped(self.args, "dataloader_drop_last", self.args.dataloader_drop_last and is_training):
-            loader = super()._get_dataloader(*args, is_training=is_training, **kwargs)
+        # And the Trainer's one collator for every loader: decoding per batch, evaluation and prediction get its
+        # evaluating copy, which leaves unreadable images out instead of replacing them (decoding.DecodingCollator).
+        collator = self.data_collator
+        if not is_training and hasattr(collator, "for_evaluation"):
+            collator = collator.for_evaluation(self.split_name(dataset))
+        with (
+            swapped(self.args, "dataloader_drop_last", self.args.dataloader_drop_last and is_training),
+            swapped(self, "data_collator", collator),
+        ):
+            loader = super()._get_dataloader(dataset, *args, is_training=is_training, **kwargs)
         # Adds: the workers leave SIGINT/SIGTERM to the main process, which checkpoints first (interrupt.py), and
         # yield the CPU to it.
         base = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard holds a DataLoader

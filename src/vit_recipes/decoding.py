@@ -9,6 +9,7 @@ Two paths, chosen per dataset (`choose_decoding`, said in one log line):
 """
 
 import errno
+import hashlib
 import itertools
 import json
 import logging
@@ -27,16 +28,17 @@ from datasets.fingerprint import Hasher
 
 from .data import LABELS, PIXELS, ImageSplits, refuse_classes_without_images
 from .errors import RecipeError
-from .images import LOST, decode_to_chw, image_path, probe, problem_of, stored_size, white_level
+from .images import BRIGHTER, LOST, decode_to_chw, image_path, probe, problem_of, stored_size, white_level
 from .launch import env_int
+from .metrics import LEFT_OUT
 from .streaming import is_stream
 
 logger = logging.getLogger(__name__)
 
 DECODE_CHOICES = ("auto", "once", "per_batch")
-SKIPPED_DURING_RUN = "skipped_images.jsonl"  # per-batch path: unreadable images found by the workers, one per line
+SKIPPED_DURING_RUN = "skipped_images.jsonl"  # per-batch path: what the workers met (unreadable images...), one a line
 CACHE_HEADROOM = 1.05  # Arrow's offsets and metadata on top of the pixels
-DECODE_VERSION = 2  # part of a decoded copy's name: raise it when decode_to_chw changes what it stores
+DECODE_VERSION = 3  # part of a decoded copy's name: raise it when decode_to_chw changes what it stores
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,19 @@ def _no_space(err: BaseException) -> bool:
     return False
 
 
+def tag_notes(split: str, tags: Counter, white: float) -> list[str]:
+    """The notes for what decoding did to some images of a split (decode_to_chw's tags), both paths alike."""
+    notes = []
+    if tags["first frame"]:
+        notes.append(f"{split}: {tags['first frame']} animated or multi-frame image(s): the first frame is used")
+    if tags[BRIGHTER]:
+        notes.append(
+            f"{split}: {tags[BRIGHTER]} high-bit-depth image(s) brighter than the white level {white:g} (set by the "
+            "first 64 images): each scaled by its own bit depth's white instead of clipping"
+        )
+    return notes
+
+
 def decode_datasets(
     parts: dict[str, Dataset], image_column: str, storage: StorageFormat, num_proc: int | None, notes: list[str]
 ) -> tuple[dict[str, Dataset], dict[str, list[dict]]]:
@@ -218,9 +233,9 @@ def decode_datasets(
                 f"centre-cropped{cut}"
             )
             logger.warning(notes[-1])
-        if tags["first frame"]:
-            notes.append(f"{name}: {tags['first frame']} animated or multi-frame image(s): the first frame is used")
-            logger.warning(notes[-1])
+        for note in tag_notes(name, tags, storage.white):
+            notes.append(note)
+            logger.warning(note)
         bad = [i for i, problem in enumerate(problems) if problem in LOST]
         values = dataset.select(bad)[image_column] if bad else []
         paths = [image_path(value) for value in values]
@@ -297,54 +312,117 @@ def _labels(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"labels": torch.tensor(labels, dtype=torch.float32 if isinstance(labels[0], list) else torch.long)}
 
 
+TRAIN = "train"  # the split whose unreadable images are replaced in their batch; other splits' are left out
+NOTED = ("first frame", BRIGHTER)  # what decode_to_chw did that the card counts, beside unreadable images
+
+
 class DecodingCollator:
     """The per-batch path: decodes a batch's images (each as the "once" path would) into one uint8 (B, 3, H, W)
-    tensor, in the DataLoader worker that collates it. An unreadable image is replaced by a copy of another image of
-    its batch, with its label, so the batch keeps its shape (a compiled step); it is logged and listed in
-    `record` (one JSON line each), which the run's card and skipped_images.json report at the end."""
+    tensor, in the DataLoader worker that collates it. An unreadable image keeps the batch's shape (a compiled step;
+    accelerate's gather_for_metrics trims a last batch's padding by counting full batches):
+    - training: it is replaced by a copy of another image of its batch, with that image's label; in a batch with no
+      readable image, by `fallback` (the training split's first readable image: make_collator), else black;
+    - evaluating (`for_evaluation`: batches.DeviceBatches gives evaluation and prediction loaders this copy): its row
+      is black and labelled metrics.LEFT_OUT, which the loss, the metrics and the reports leave out.
+    Each is logged and written to `record` with its split (one JSON line each), as is each image decoded with a change
+    the card counts (NOTED); note_skipped_during_run reports them at the end, in the card and skipped_images.json."""
 
-    def __init__(self, shape: tuple[int, int], white: float, image_column: str, record: str | None = None):
+    def __init__(self, shape: tuple[int, int], white: float, image_column: str, record: str | None = None,
+                 split: str = TRAIN, evaluating: bool = False, fallback: tuple | None = None):  # fmt: skip
         self.shape, self.white, self.image_column, self.record = shape, white, image_column, record
+        self.split, self.evaluating, self.fallback = split, evaluating, fallback  # fallback: (pixels, row)
+        self._recorded: set[tuple] = set()  # this worker's recorded images: a later epoch meets them again
+
+    def for_evaluation(self, split: str | None) -> "DecodingCollator":
+        """This collator for an evaluation or prediction loader of `split` (None: this collator's own)."""
+        return DecodingCollator(self.shape, self.white, self.image_column, self.record, split or self.split, True)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         pixels = torch.empty((len(rows), 3, *self.shape), dtype=torch.uint8)
-        bad = []
+        bad, met = [], []
         for i, row in enumerate(rows):
             try:
-                pixels[i] = torch.from_numpy(decode_to_chw(row[self.image_column], *self.shape, self.white)[0])
-            except Exception as err:  # corrupt/truncated/missing: replaced below, and reported
-                bad.append((i, problem_of(err)))
-        if bad:
+                array, done = decode_to_chw(row[self.image_column], *self.shape, self.white)
+            except Exception as err:  # corrupt/truncated/missing: replaced or left out below, and reported
+                bad.append(i)
+                met.append((i, problem_of(err)))
+                continue
+            pixels[i] = torch.from_numpy(array)
+            met += [(i, tag) for tag in done.split(",") if tag in NOTED]
+        if met:
+            self._record(rows, met)
+        if bad and not self.evaluating:
             rows = self._replace(rows, pixels, bad)
-        return {"pixel_values": pixels, **_labels(rows)}
+        batch = {"pixel_values": pixels, **_labels(rows)}
+        if bad and self.evaluating:
+            pixels[bad] = 0
+            if "labels" in batch:
+                batch["labels"][bad] = LEFT_OUT
+        return batch
 
-    def _replace(self, rows: list[dict], pixels: torch.Tensor, bad: list[tuple[int, str]]) -> list[dict]:
-        broken = {i for i, _ in bad}
-        good = [i for i in range(len(rows)) if i not in broken]
-        lost = []
-        for i, problem in bad:
+    def _record(self, rows: list[dict], met: list[tuple[int, str]]) -> None:
+        """Log and append to `record` what this worker has not met before: one write, so that the appends of
+        several workers (and ranks) do not interleave."""
+        lines = []
+        for i, problem in met:
             value = rows[i][self.image_column]
-            lost.append({"image": image_path(value), "problem": problem})
-            logger.warning("Unreadable image %s (%s): replaced in its batch by a copy of another", lost[-1]["image"],
-                           problem)  # fmt: skip
-        if self.record:
-            with open(self.record, "a") as f:  # one short write per line: appends from workers do not interleave
-                for item in lost:
-                    f.write(json.dumps(item) + "\n")
+            item = {"split": self.split, "image": image_path(value), "problem": problem}
+            if item["image"] is None:  # stored as bytes: told apart by a digest of them
+                raw = value.get("bytes") if isinstance(value, dict) else value
+                raw = raw if isinstance(raw, (bytes, bytearray)) else repr(raw).encode()
+                item["digest"] = hashlib.blake2b(raw, digest_size=8).hexdigest()
+            key = (self.split, item["image"] or item["digest"], problem)
+            if key in self._recorded:
+                continue
+            self._recorded.add(key)
+            lines.append(json.dumps(item) + "\n")
+            if problem in LOST:
+                what = f"left out of the evaluation of {self.split}" if self.evaluating else (
+                    "replaced in its training batch by a copy of another")  # fmt: skip
+                logger.warning("Unreadable image %s (%s): %s", item["image"] or "(stored as bytes)", problem, what)
+        if self.record and lines:
+            fd = os.open(self.record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, "".join(lines).encode())
+            finally:
+                os.close(fd)
+
+    def _replace(self, rows: list[dict], pixels: torch.Tensor, bad: list[int]) -> list[dict]:
+        good = [i for i in range(len(rows)) if i not in set(bad)]
         if not good:
-            raise RuntimeError(f"every image of a batch is unreadable, e.g. {lost[0]['image']} ({lost[0]['problem']})")
+            instead = "the training split's first readable image" if self.fallback else "a black image"
+            logger.warning("No image of a training batch of %d is readable: each trains as %s", len(rows), instead)
         rows = list(rows)
-        for n, (i, _) in enumerate(bad):
-            source = good[n % len(good)]
-            pixels[i], rows[i] = pixels[source], rows[source]
+        for n, i in enumerate(bad):
+            if good:
+                source = good[n % len(good)]
+                pixels[i], rows[i] = pixels[source], rows[source]
+            elif self.fallback:
+                pixels[i], rows[i] = self.fallback
+            else:  # none of the split's first 64 images is readable either: its own label
+                pixels[i] = 0
         return rows
 
 
+def first_readable(split, image_column: str, shape: tuple[int, int], white: float) -> tuple | None:
+    """(pixels, row) of the first of a split's first 64 images that decodes (a stream: this rank's part), else None."""
+    for row in itertools.islice(split.part if is_stream(split) else split, 64):
+        try:
+            array, _ = decode_to_chw(row[image_column], *shape, white)
+        except Exception:  # unreadable: the next one
+            continue
+        return torch.from_numpy(array), {k: v for k, v in row.items() if k == LABELS}
+    return None
+
+
 def make_collator(splits: ImageSplits, output_dir: str | None):
-    if splits.decode == "per_batch":
-        record = os.path.join(output_dir, SKIPPED_DURING_RUN) if output_dir else None
-        return DecodingCollator(splits.storage_shape, splits.white, splits.image_column, record)
-    return PixelCollator(splits.storage_shape)
+    """The training collator (batches.DeviceBatches makes evaluation's from it)."""
+    if splits.decode != "per_batch":
+        return PixelCollator(splits.storage_shape)
+    record = os.path.join(output_dir, SKIPPED_DURING_RUN) if output_dir else None
+    shape, white = splits.storage_shape, splits.white
+    fallback = first_readable(splits.train, splits.image_column, shape, white) if splits.train is not None else None
+    return DecodingCollator(shape, white, splits.image_column, record, fallback=fallback)
 
 
 def share_cores_with_workers(training, splits: ImageSplits) -> None:
@@ -364,29 +442,33 @@ def share_cores_with_workers(training, splits: ImageSplits) -> None:
 
 
 def note_skipped_during_run(splits: ImageSplits, output_dir: str) -> ImageSplits:
-    """The per-batch path's unreadable images, by split, into the run's notes (card) and skipped_images.json."""
-    lost = skipped_during_run(output_dir) if splits.decode == "per_batch" else []
-    if not lost:
-        return splits
-    notes, skipped, left = list(splits.notes), dict(splits.skipped), {item["image"]: item for item in lost}
-    for name, split in splits.present().items():
-        paths = [image_path(v) for v in split[splits.image_column]]
-        if found := [left.pop(path) for path in paths if path in left]:
-            skipped[name] = skipped.get(name, []) + found
-            notes.append(f"{name}: {len(found)} unreadable image(s) replaced in their batch by another of it")
-    if left:  # no path to place them by (images stored as bytes)
-        skipped["unplaced"] = list(left.values())
-        notes.append(f"{len(left)} unreadable image(s) replaced in their batch by another of it")
-    return replace(splits, notes=notes, skipped=skipped)
+    """What the per-batch path's DataLoader workers met, by split, into the run's notes (card and log) and
+    skipped_images.json: unreadable images (training's replaced, evaluation's left out), and those NOTED."""
+    met = skipped_during_run(output_dir) if splits.decode == "per_batch" else []
+    notes, skipped = list(splits.notes), dict(splits.skipped)
+    order = ["train", "validation", "test"]
+    for name in sorted({item["split"] for item in met}, key=lambda n: (order.index(n) if n in order else 3, n)):
+        items = [item for item in met if item["split"] == name]
+        found = []
+        if lost := [{"image": item["image"], "problem": item["problem"]} for item in items if item["problem"] in LOST]:
+            skipped[name] = skipped.get(name, []) + lost
+            what = "replaced in their batch by another of it" if name == TRAIN else "left out of its evaluation"
+            found.append(f"{name}: {len(lost)} unreadable image(s) {what}")
+        found += tag_notes(name, Counter(item["problem"] for item in items), splits.white)
+        for note in found:
+            logger.warning(note)
+        notes += found
+    return replace(splits, notes=notes, skipped=skipped) if met else splits
 
 
 def skipped_during_run(output_dir: str) -> list[dict]:
-    """The per-batch path's unreadable images (each once), as the workers recorded them."""
+    """What the per-batch path's workers recorded in `output_dir` ({split, image, problem}), each once."""
     path = Path(output_dir, SKIPPED_DURING_RUN)
     if not path.is_file():
         return []
     seen = {}
     for line in path.read_text().splitlines():
         item = json.loads(line)
-        seen.setdefault(item["image"], item)
+        digest = item.pop("digest", None)  # only tells images stored as bytes apart
+        seen.setdefault((item["split"], item["image"] or digest, item["problem"]), item)
     return list(seen.values())

@@ -82,31 +82,48 @@ def white_level(peak: float) -> float:
     return float(next((2**bits - 1 for bits in (8, 10, 12, 14, 16) if peak <= 2**bits - 1), 2**32 - 1))
 
 
+BRIGHTER = "own white level"  # decode_to_chw's tag: a high-bit-depth image brighter than the dataset's white level
+
+
+def _high_bits_to_8(image: Image.Image, white: float | None) -> tuple[Image.Image, bool]:
+    """High-bit-depth greyscale scaled by 255 / `white`, and whether its own bit depth's white replaced `white`: an
+    image brighter than the dataset's level (met after the 64 images that set it) would be clipped to white."""
+    array = np.asarray(image, dtype=np.float64)
+    own = white_level(array.max() if array.size else 0.0)
+    scaled = np.clip(array * (255.0 / max(white or 0.0, own)), 0, 255).astype(np.uint8)
+    return Image.fromarray(scaled, "L").convert("RGB"), bool(white) and own > white
+
+
 def to_rgb(image: Image.Image, white: float | None = None) -> Image.Image:
-    """Any PIL mode to RGB (alpha composited on white); high-bit-depth greyscale scaled by 255 / `white` (or its own)."""
+    """Any PIL mode to RGB (alpha composited on white); high-bit-depth greyscale scaled by 255 / `white` (or its own
+    bit depth's, where that is larger or `white` is None)."""
+    return _to_rgb(image, white)[0]
+
+
+def _to_rgb(image: Image.Image, white: float | None) -> tuple[Image.Image, bool]:
     image = ImageOps.exif_transpose(image)
     if image.mode == "RGB":
-        return image
+        return image, False
     if image.mode in HIGH_BIT_MODES:
-        array = np.asarray(image, dtype=np.float64)
-        white = white or white_level(array.max() if array.size else 0.0)
-        return Image.fromarray(np.clip(array * (255.0 / white), 0, 255).astype(np.uint8), "L").convert("RGB")
+        return _high_bits_to_8(image, white)
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB"), False
+    return image.convert("RGB"), False
 
 
 def decode_to_chw(value, height: int, width: int, white: float | None = None) -> tuple[np.ndarray, str]:
     """A datasets Image value, bytes or path as RGB fitted to (3, height, width) uint8, and what was done to fit it:
-    "" (nothing), or comma-separated "resized", "cropped" (over half its area cut to fit the shape), "first frame"."""
+    "" (nothing), or comma-separated "resized", "cropped" (over half its area cut to fit the shape), "first frame",
+    BRIGHTER (scaled by its own white level, above `white`)."""
     image = _open(value)
     done = ["first frame"] if getattr(image, "n_frames", 1) > 1 else []  # PIL decodes frame 0 of a GIF/WebP/TIFF
     if image.format == "JPEG":  # decode at 1/2, 1/4 or 1/8 scale where that still covers the shape (DCT scaling),
         scale = max(width, height) / min(image.size)  # in either orientation (EXIF may rotate it next)
         image.draft("RGB", (math.ceil(image.width * scale), math.ceil(image.height * scale)))
     image.load()  # decode now, so a truncated file fails here and not in a worker later
-    image = to_rgb(image, white)
+    image, brighter = _to_rgb(image, white)
+    done += [BRIGHTER] if brighter else []
     if image.size != (width, height):  # cover height x width, then centre-crop (bicubic, antialiased)
         aspect = (image.width / image.height) / (width / height)
         done += ["resized"] + (["cropped"] if max(aspect, 1 / aspect) > 2 else [])

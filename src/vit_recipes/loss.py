@@ -1,11 +1,29 @@
 """The training loss: ours (mixup, class weights, multi-label), its non-finite rule on the device, its sum and logs."""
 
+import logging
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from .metrics import LEFT_OUT, scored_rows
 from .swap import swapped
 from .transforms import smooth_targets
+
+logger = logging.getLogger(__name__)
+
+
+def evaluation_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy (multi-hot labels: binary, per class) averaged over the rows that hold an image; rows labelled
+    metrics.LEFT_OUT (unreadable images, decoding per batch) count in neither sum nor mean; 0 without any row."""
+    multi = labels.ndim == 2
+    scored = (labels != LEFT_OUT).any(1) if multi else labels != LEFT_OUT
+    if multi:
+        per_row = F.binary_cross_entropy_with_logits(logits, labels.clamp(min=0), reduction="none").mean(1)
+    else:
+        per_row = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+    return torch.where(scored, per_row, 0).sum() / scored.sum().clamp(min=1)
 
 
 class ClassificationLoss:
@@ -34,7 +52,9 @@ class ClassificationLoss:
             logits = outputs["logits"].float()
             weights = self.class_weights if model.training else None
             smoothing = self.args.label_smoothing_factor if model.training else 0.0
-            if labels is not None and labels.ndim == 2:  # multi-hot: multi-label, one sigmoid per class
+            if labels is not None and not model.training:
+                loss = evaluation_loss(logits, labels)
+            elif labels is not None and labels.ndim == 2:  # multi-hot: multi-label, one sigmoid per class
                 if targets is None:
                     targets = smooth_targets(labels, smoothing)
                 loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=weights)
@@ -46,6 +66,27 @@ class ClassificationLoss:
             else:
                 loss = logits.new_zeros(())
         return (loss, outputs) if return_outputs else loss
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):  # fmt: skip
+        # Extends: where rows were left out (unreadable images decoding per batch, metrics.LEFT_OUT labels), the eval
+        # loss is recomputed over the images read. The Trainer's is the mean of its batches' losses, each batch
+        # weighted alike, whatever number of images it held. compute_metrics and the reports leave those rows out too.
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        if output.label_ids is None or (scored := scored_rows(output.label_ids)).all():
+            return output
+        name = self.split_name(getattr(dataloader, "dataset", None)) or metric_key_prefix
+        left_out = int((~scored).sum())
+        if output.predictions is not None:
+            logits = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+            loss = evaluation_loss(torch.from_numpy(np.asarray(logits)).float(), torch.from_numpy(output.label_ids))
+            output.metrics[f"{metric_key_prefix}_loss"] = float(loss) if scored.any() else float("nan")
+        if self.is_world_process_zero():
+            logger.warning(
+                "%s: %d unreadable image(s) left out of this evaluation: its loss and metrics count the %d others",
+                name, left_out, int(scored.sum()),
+            )  # fmt: skip
+        return output
 
 
 class LossOnTheDevice:

@@ -7,6 +7,15 @@ from collections.abc import Callable
 
 import numpy as np
 
+LEFT_OUT = -100  # the label of an evaluation row that holds no image (unreadable, decoding per batch): not scored
+
+
+def scored_rows(labels) -> np.ndarray:
+    """Which rows hold an image: a row whose label (multi-label: whole multi-hot row) is LEFT_OUT holds none. -100 is
+    torch's and the Trainer's ignore index, so cross-entropy and the Trainer's padding already treat it so."""
+    labels = np.asarray(labels)
+    return labels != LEFT_OUT if labels.ndim == 1 else (labels != LEFT_OUT).any(axis=tuple(range(1, labels.ndim)))
+
 
 def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     """numerator / denominator, 0 where the denominator is 0 (scikit-learn's zero_division=0)."""
@@ -100,9 +109,15 @@ def make_compute_metrics(multi_label: bool = False, threshold: float = 0.5) -> C
     def compute_metrics(eval_pred) -> dict[str, float]:
         logits = eval_pred.predictions  # asked for hidden states or attentions: the logits come first
         logits = np.asarray(logits[0] if isinstance(logits, (tuple, list)) else logits)
+        labels = np.asarray(eval_pred.label_ids)
+        labels = labels if multi_label else labels.reshape(-1)
+        scored = scored_rows(labels)  # rows of unreadable images (decoding per batch) are left out
+        if not scored.any():  # every image evaluated was unreadable: nothing to score (the log says so)
+            return {}
+        logits, labels = logits[scored], labels[scored]
         if multi_label:
-            return classification_scores(logits, eval_pred.label_ids, multi_label=True, threshold=threshold)
-        scores = classification_scores(logits, np.asarray(eval_pred.label_ids).reshape(-1))
+            return classification_scores(logits, labels, multi_label=True, threshold=threshold)
+        scores = classification_scores(logits, labels)
         if logits.shape[-1] <= 5:  # with 5 classes or fewer every top 5 holds the answer: the figure says nothing
             scores.pop("top5_accuracy", None)
         return scores

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import _safe_divide, average_precision  # the metric's own, not copies
+from .metrics import _safe_divide, average_precision, scored_rows  # the metric's own, not copies
 from .plots import figure_grid, save_png
 
 CSV_FIELDS = ("class_id", "label", "support", "correct", "accuracy")
@@ -136,10 +136,15 @@ def per_class_markdown(rows: list[dict], split: str, top_n: int = 10) -> str:
 def write_reports(
     logits, labels, label_names: list[str], output_dir: str, split="test", top_n=10, threshold=0.5, draw=None
 ) -> dict:
-    """Write one split's reports; returns their paths. `draw` draws the matrix (figures.FigureProcess: a child)."""
+    """Write one split's reports; returns their paths. `draw` draws the matrix (figures.FigureProcess: a child).
+    Rows that hold no image (unreadable, decoding per batch: metrics.LEFT_OUT labels) are left out, as the metrics
+    leave them out."""
     logits, labels = np.asarray(logits), np.asarray(labels)
     multi = labels.ndim == 2 and labels.shape[1] > 1
     labels = labels if multi else labels.reshape(-1)
+    if len(labels) == len(logits):
+        scored = scored_rows(labels)
+        logits, labels = logits[scored], labels[scored]
     if logits.ndim != 2 or logits.shape != (len(labels), len(label_names)):
         raise ValueError(
             f"Expected logits of shape (num_samples, num_classes) = ({len(labels)}, {len(label_names)}), "

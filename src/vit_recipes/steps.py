@@ -4,11 +4,13 @@ import csv
 import logging
 import os
 import sys
+import tempfile
 
 import datasets
 import numpy as np
 import torch
 import transformers
+from accelerate.utils import gather_object
 
 from .adapters import check_adapter_strategy, drop_zero3_leaf_modules, save_final_model
 from .arguments import RunArguments
@@ -24,11 +26,20 @@ from .data import (
     write_labels,
     write_skipped,
 )
-from .decoding import PixelCollator, StorageFormat, decode_datasets, make_collator, storage_format
+from .decoding import (
+    SKIPPED_DURING_RUN,
+    DecodingCollator,
+    StorageFormat,
+    make_collator,
+    say,
+    skipped_during_run,
+    storage_format,
+)
 from .errors import RecipeError, first_line
 from .figures import FigureProcess
 from .flops import peak_flops, training_flops_per_image
 from .hub import hub_error_message
+from .images import LOST
 from .memory import load_config
 from .meter import SpeedMeter
 from .metrics import make_compute_metrics
@@ -102,7 +113,8 @@ def build_trainer(
     try:
         trainer = ImageClassificationTrainer(
             model=model, args=training, train_dataset=splits.train, eval_dataset=splits.validation,
-            data_collator=make_collator(splits, training.output_dir),  # predicting alone: set by predict_folder
+            data_collator=make_collator(splits, training.output_dir),  # predict_folder sets its own
+            named_splits=splits.present(),  # decoding per batch, evaluation's collator records which split it read
             compute_metrics=make_compute_metrics(splits.multi_label, args.data.multi_label_threshold),
             train_transform=train_transform, eval_transform=eval_transform,
             mixup=build_mixup(args.augment, len(splits.label_names), training.label_smoothing_factor),
@@ -242,16 +254,24 @@ def write_run_reports(trainer, splits: ImageSplits, predictions: tuple | None, f
 
 
 def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> None:
-    """Classify a folder of images into predictions.csv: file, label(s), score(s) (';'-joined), problem."""
+    """Classify a folder of images into predictions.csv: file, label(s), score(s) (';'-joined), problem.
+
+    Decoded per batch by the DataLoader workers, as evaluation is (nothing written to the datasets cache); an
+    unreadable file's row is left out of the batch's predictions, and its problem, which the workers record, named."""
     images = load_image_folder(data_args.predict_images)
     if splits.storage_shape:  # stored as the model's training images were
         storage = StorageFormat(splits.storage_shape, splits.white)
     else:
         storage = storage_format(images, "image", image_size, data_args.storage_size)
-    trainer.data_collator = PixelCollator(storage.shape)
-    decoded, skipped = decode_datasets({"predict": images}, "image", storage, data_args.preprocessing_num_workers, [])
-    decoded, skipped = decoded["predict"], skipped["predict"]
-    logits = trainer.predict(decoded.remove_columns("file")).predictions
+    height, width = storage.shape
+    say(f"{len(images)} images to predict, decoded per batch by the DataLoader workers to {height}x{width} uint8: no "
+        "decoded copy on disk")  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:  # each rank's workers record its unreadable files there
+        record = os.path.join(folder, SKIPPED_DURING_RUN)
+        trainer.data_collator = DecodingCollator(storage.shape, storage.white, "image", record, split="predict")
+        logits = trainer.predict(images.remove_columns("file")).predictions
+        problems = {item["image"]: item["problem"] for item in skipped_during_run(folder) if item["problem"] in LOST}
+    problems = dict(pair for found in gather_object([problems]) for pair in found.items())  # every rank's
     logits = logits[0] if isinstance(logits, tuple) else logits
     if not trainer.is_world_process_zero():
         return
@@ -267,11 +287,12 @@ def predict_folder(trainer, data_args, splits: ImageSplits, image_size: int) -> 
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["file", *header, "problem"])
-        for file, row, best in zip(decoded["file"], scores, chosen):
-            writer.writerow([file, ";".join(names[i] for i in best), ";".join(f"{row[i]:.6f}" for i in best), ""])
-        for item in skipped:  # missing, too large or unreadable files stay visible in the output
-            writer.writerow([images[item["row"]]["file"], "", "", item["problem"]])
-    logger.info("Wrote %d predictions to %s", len(decoded) + len(skipped), path)
+        for file, image, row, best in zip(images["file"], images["image"], scores, chosen):
+            if problem := problems.get(image["path"]):  # missing, too large or unreadable: visible, not predicted
+                writer.writerow([file, "", "", problem])
+            else:
+                writer.writerow([file, ";".join(names[i] for i in best), ";".join(f"{row[i]:.6f}" for i in best), ""])
+    logger.info("Wrote %d predictions to %s", len(images), path)
 
 
 def publish(trainer, args: RunArguments, plan: RunPlan, argv, splits, results, reports, finetune, meter) -> None:

@@ -44,8 +44,8 @@ class ImageClassificationTrainer(
 ):
     """`Trainer` plus device transforms for uint8 batches, our loss, completed checkpoints (run_dir.py), our card.
 
-    Keyword arguments beyond the Trainer's: `train_transform`, `eval_transform`, `sample_weights` (batches.py),
-    `mixup`, `class_weights` (loss.py).
+    Keyword arguments beyond the Trainer's: `train_transform`, `eval_transform`, `sample_weights`, `named_splits`
+    (batches.py), `mixup`, `class_weights` (loss.py).
     """
 
     def __init__(self, *args, **kw):
