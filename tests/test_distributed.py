@@ -1318,7 +1318,11 @@ def test_a_rank_that_leaves_the_refusal_to_local_rank_0_exits_0_at_the_launchers
     """Every rank meets the same refusal; local rank 0 prints it and exits 2, and the launcher stops the others
     with SIGTERM. Killed by it (-15), each was one more failure in torch elastic's report, 7 lines with nothing to
     add to rank 0's line."""
-    code = "from vit_recipes import launch; print('waiting', flush=True); launch.await_the_launchers_stop(60)"
+    # "waiting" once it waits (its SIGTERM handler set): a signal before that would be the launcher's plain stop
+    code = (
+        "import time; from vit_recipes import launch; sleep = time.sleep; "
+        "time.sleep = lambda s: (print('waiting', flush=True), sleep(s)); launch.await_the_launchers_stop(60)"
+    )
     env = launch_env(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
     rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     assert rank.stdout.readline() == "waiting\n"
