@@ -264,11 +264,17 @@ def test_a_rank_decodes_with_the_workers_asked_for_in_threads_where_its_shards_a
     )
 
 
-def test_a_file_of_row_groups_streams_as_one_shard_per_row_group(shards):
+def test_a_file_of_row_groups_streams_as_one_shard_per_row_group(shards, tmp_path):
     """The first train file holds 5 row groups: --streaming reads it as 5 shards (8 in all), for the ranks and their
     DataLoader workers to share (a Hub file of one row group per ~100 images would be one shard without it)."""
     splits = stream_splits(shards)
     assert splits.train.num_shards == 5 + 3
+    one_file = tmp_path / "one"
+    one_file.mkdir()
+    shutil.copy(shards / "data" / "train-00000-of-00004.parquet", one_file / "train.parquet")
+    shutil.copy(shards / "data" / "validation-00000-of-00001.parquet", one_file / "validation.parquet")
+    loader = stream_trainer(stream_splits(one_file).train, tmp_path, 4, [], workers=4).get_train_dataloader()
+    assert loader.num_workers == 4 and loader.collate_fn.threads == 1  # one file, 4 workers: one per row group
     two = [load_stream_splits(data_args(shards), SimpleNamespace(process_index=r, world_size=2, seed=0, do_eval=True))
            for r in (0, 1)]  # fmt: skip
     seen = [[row["image"]["bytes"] for row in split.train.part] for split in two]
