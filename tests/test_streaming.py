@@ -44,7 +44,8 @@ def _no_pause_at_the_end_of_parquet_shards(monkeypatch):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    """Hub-shaped parquet shards: data/train-0000i-of-00004.parquet of unequal sizes, and a validation shard."""
+    """Hub-shaped parquet shards: data/train-0000i-of-00004.parquet of unequal sizes (the first of 5 row groups), and
+    a validation shard."""
     root = tmp_path_factory.mktemp("shards")
     (root / "data").mkdir()
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=CLASSES)})
@@ -55,7 +56,11 @@ def shards(tmp_path_factory) -> Path:
             images = pattern_images(labels, 24, seed=start)
             rows = {"image": [{"bytes": jpeg(a), "path": None} for a in images], "label": labels.tolist()}
             part = datasets.Dataset.from_dict(rows, features=features).add_column("n", list(range(start, start + n)))
-            part.to_parquet(str(root / "data" / f"{split}-{i:05d}-of-{len(sizes):05d}.parquet"))
+            # The first train shard in row groups of 8, as Hub files come: --streaming splits it into 5 shards.
+            rows_per_group = 8 if (split, i) == ("train", 0) else None
+            part.to_parquet(
+                str(root / "data" / f"{split}-{i:05d}-of-{len(sizes):05d}.parquet"), batch_size=rows_per_group
+            )
             start += n
     return root
 
@@ -198,12 +203,13 @@ def stream_trainer(stream, out: Path, steps: int, seen: list, workers: int = 0):
 
     from vit_recipes.decoding import DecodingCollator
 
-    decode = DecodingCollator((24, 24), None, "image")
+    class Collate(DecodingCollator):
+        def __call__(self, rows):
+            batch = super().__call__(rows)
+            seen.append(int(batch["pixel_values"].sum()))
+            return batch
 
-    def collate(rows):
-        batch = decode(rows)
-        seen.append(int(batch["pixel_values"].sum()))
-        return batch
+    collate = Collate((24, 24), None, "image")
 
     class StreamTrainer(StreamedBatches, transformers.Trainer):
         pass
@@ -245,12 +251,76 @@ def test_a_stream_resumed_on_another_process_count_starts_over_and_says_so(shard
     assert "holds no stream position for 1 process(es): the stream starts over" in caplog.text
 
 
-def test_a_rank_gets_one_dataloader_worker_per_shard_and_a_line_says_so(shards, tmp_path, caplog):
+def test_a_rank_decodes_with_the_workers_asked_for_in_threads_where_its_shards_are_fewer(shards, tmp_path, capsys):
+    """Rank 0 of 2 reads 2 of the 4 files: 2 DataLoader workers (one more would read nothing), each decoding its
+    batches in 2 threads, so the 4 decoders asked for decode; one line says so."""
+    trainer = stream_trainer(stream_of(shards, rank=0, world=2), tmp_path, 4, [], workers=4)
+    loader = trainer.get_train_dataloader()
+    assert loader.num_workers == 2 and loader.collate_fn.threads == 2
+    assert trainer.data_collator.threads == 1  # the trainer's own (evaluation's source) is unchanged
+    assert (
+        "--streaming: 4 image decoder(s) per rank (--dataloader_num_workers 4): 2 DataLoader worker(s) over the 2 "
+        "shard(s) of rank 0, 2 decoding thread(s) each" in capsys.readouterr().out
+    )
+
+
+def test_a_file_of_row_groups_streams_as_one_shard_per_row_group(shards, tmp_path):
+    """The first train file holds 5 row groups: --streaming reads it as 5 shards (8 in all), for the ranks and their
+    DataLoader workers to share (a Hub file of one row group per ~100 images would be one shard without it)."""
+    splits = stream_splits(shards)
+    assert splits.train.num_shards == 5 + 3
+    one_file = tmp_path / "one"
+    one_file.mkdir()
+    shutil.copy(shards / "data" / "train-00000-of-00004.parquet", one_file / "train.parquet")
+    shutil.copy(shards / "data" / "validation-00000-of-00001.parquet", one_file / "validation.parquet")
+    loader = stream_trainer(stream_splits(one_file).train, tmp_path, 4, [], workers=4).get_train_dataloader()
+    assert loader.num_workers == 4 and loader.collate_fn.threads == 1  # one file, 4 workers: one per row group
+    two = [load_stream_splits(data_args(shards), SimpleNamespace(process_index=r, world_size=2, seed=0, do_eval=True))
+           for r in (0, 1)]  # fmt: skip
+    seen = [[row["image"]["bytes"] for row in split.train.part] for split in two]
+    assert len(seen[0]) + len(seen[1]) == sum(SHARDS) and not set(seen[0]) & set(seen[1])  # disjoint, whole
+
+
+def test_the_decode_threads_decode_a_batch_as_one_thread_does(shards, monkeypatch):
+    import threading
+    import time
+
+    from vit_recipes import decoding
+
+    rows = list(stream_splits(shards).train.part.take(8))
+    one = decoding.DecodingCollator((24, 24), None, "image")
+    four = one.with_threads(4)
+    threads, real = set(), decoding.decode_to_chw
+
+    def slow(*args):  # long enough for the pool's threads to overlap
+        threads.add(threading.get_ident())
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(decoding, "decode_to_chw", slow)
+    threaded = four(rows)
+    assert len(threads) == 4 and one.threads == 1
+    threads.clear()
+    plain = one(rows)
+    assert len(threads) == 1
+    assert torch.equal(threaded["pixel_values"], plain["pixel_values"]) and torch.equal(
+        threaded["labels"], plain["labels"]
+    )
+
+
+def test_a_stream_resumed_with_other_dataloader_workers_starts_over_and_says_so(shards, tmp_path, caplog):
+    """Which worker reads which shards depends on the worker count: positions saved by another count would name
+    other images. The resumed run starts the stream over, as on another process count, and says why."""
+    stream_trainer(stream_splits(shards).train, tmp_path, 2, [], workers=1).train()
+    resumed, straight = [], []
     with caplog.at_level(logging.WARNING, "vit_recipes.streaming"):
-        trainer = stream_trainer(stream_of(shards, rank=0, world=2), tmp_path, 4, [], workers=4)
-        loader = trainer.get_train_dataloader()
-    assert loader.num_workers == 2  # rank 0 of 2 reads 2 of the 4 shards: 2 more workers would read nothing
-    assert "2 DataLoader worker(s) on this rank, one per shard of its 2" in caplog.text
+        stream_trainer(stream_splits(shards).train, tmp_path, 4, resumed).train(tmp_path / "checkpoint-2")
+    stream_trainer(stream_splits(shards).train, tmp_path / "straight", 2, straight).train()
+    assert resumed == straight  # steps 3-4 read the stream's first batches
+    assert (
+        "the checkpoint's stream positions are for {'shards': 8, 'workers': 1}, this run reads {'shards': 8, "
+        "'workers': 0}: the stream starts over" in caplog.text
+    )
 
 
 def copy_of(shards: Path, tmp_path: Path) -> Path:

@@ -168,6 +168,15 @@ def plan_stream_steps(training, rows: int | None, global_batch: int) -> None:
         logger.warning("--streaming: --%s_strategy epoch becomes every %d steps (one epoch)", kind, per_epoch)
 
 
+def decoders(asked: int, shards: int) -> dict[str, int]:
+    """How a rank's stream is decoded by `asked` decoders (--dataloader_num_workers): a DataLoader worker per shard
+    at most (datasets gives each worker whole shards: one more would read nothing), and where the shards are fewer
+    than `asked` each worker decodes its batches in `threads` threads (PIL releases the GIL while it decodes and
+    resizes), so that a stream of few files decodes as fast as a folder."""
+    workers = min(asked, shards)
+    return {"workers": workers, "threads": -(-asked // workers) if workers else 1}
+
+
 class StreamedBatches:
     """Mixin for `transformers.Trainer`: a streamed train split (RankStream) is read by a torchdata StatefulDataLoader
     that this rank owns, and its position is saved in every checkpoint and restored on resume.
@@ -179,8 +188,9 @@ class StreamedBatches:
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._stream_state = None  # this rank's saved DataLoader state, loaded into the next train loader
+        self._stream_state = None  # this rank's saved stream state (_save_checkpoint), loaded into the next loader
         self._stream_loader = None
+        self._stream_layout = None  # {"shards", "workers"}: which worker reads which shards (its positions' meaning)
 
     def get_train_dataloader(self):
         if not is_stream(self.train_dataset):
@@ -188,19 +198,35 @@ class StreamedBatches:
         from torchdata.stateful_dataloader import StatefulDataLoader  # imported by streamed runs only
 
         t = self.args
-        workers = min(t.dataloader_num_workers, self.train_dataset.num_shards)
-        if workers < t.dataloader_num_workers:
-            logger.warning(
-                "--streaming: %d DataLoader worker(s) on this rank, one per shard of its %d (more would idle): split "
-                "the dataset into more files for more", workers, self.train_dataset.num_shards,
+        layout = decoders(t.dataloader_num_workers, self.train_dataset.num_shards)
+        workers, threads = layout["workers"], layout["threads"]
+        if t.process_index == 0:  # a fact of the run, printed as decoding.say prints the others
+            print(
+                f"--streaming: {max(1, workers * threads)} image decoder(s) per rank (--dataloader_num_workers "
+                f"{t.dataloader_num_workers}): {workers} DataLoader worker(s) over the {self.train_dataset.num_shards} "
+                f"shard(s) of rank 0, {threads} decoding thread(s) each", flush=True,
             )  # fmt: skip
+        collator = self.data_collator
+        if threads > 1 and hasattr(collator, "with_threads"):  # decoding per batch (decoding.DecodingCollator)
+            collator = collator.with_threads(threads)
         loader = StatefulDataLoader(
-            self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator, num_workers=workers,
+            self.train_dataset, batch_size=self._train_batch_size, collate_fn=collator, num_workers=workers,
             pin_memory=t.dataloader_pin_memory, drop_last=True, prefetch_factor=t.dataloader_prefetch_factor if workers else None,
             worker_init_fn=worker_setup() if workers else None,
         )  # fmt: skip
+        self._stream_layout = {"shards": self.train_dataset.num_shards, "workers": workers}
+        if (
+            self._stream_state is not None
+            and self._stream_state.get("layout", self._stream_layout) != self._stream_layout
+        ):
+            logger.warning(
+                "--streaming: the checkpoint's stream positions are for %s, this run reads %s: the stream starts "
+                "over (the images already seen this epoch are seen again)", self._stream_state["layout"],
+                self._stream_layout,
+            )  # fmt: skip
+            self._stream_state = None
         if self._stream_state is not None:
-            loader.load_state_dict(self._stream_state)
+            loader.load_state_dict(self._stream_state["loader"])
             self._stream_state = None
         self._stream_loader = loader
         return loader
@@ -216,7 +242,7 @@ class StreamedBatches:
                 "already seen this epoch are seen again)", resume_from_checkpoint, self.args.world_size,
             )  # fmt: skip
         else:
-            self._stream_state = state["loader"]
+            self._stream_state = state  # applied by get_train_dataloader, where the workers are known
         # The Trainer would skip the steps done by reading them again: the loader's state starts after them instead.
         with swapped(self.args, "ignore_data_skip", True):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
@@ -227,7 +253,8 @@ class StreamedBatches:
 
             folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
-            state = {"loader": self._stream_loader.state_dict(), "world_size": self.args.world_size}
+            state = {"loader": self._stream_loader.state_dict(), "world_size": self.args.world_size,
+                     "layout": self._stream_layout}  # fmt: skip
             torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.args.process_index)))
         return super()._save_checkpoint(model, trial)
 
@@ -330,7 +357,9 @@ def load_stream_splits(data_args, training, cache_dir: str | None = None):
     for name in (data_args.validation_split_name, data_args.test_split_name):
         if name and name not in streams:
             raise RecipeError(f"split '{name}' does not exist; splits are: {', '.join(streams)}")
-    train = streams[train_name]
+    # One shard per parquet row group where datasets can split them (Hub files hold many: a file of 8 row groups is
+    # 8 shards for the ranks and their workers to share), before anything reads or shuffles the stream.
+    train = streams[train_name].reshard()
     features = train.features
     if features is None:
         raise RecipeError(f"--streaming: {source} does not say its columns; stream a dataset with typed features")
