@@ -23,7 +23,10 @@ Hub (CIFAR-100-shaped PNGs, randomly initialised ViT-B/16 and ViT-H/14), then ch
   multi-label, --class_weights balanced, predict-only from a trained folder, TE FP8 (where transformer_engine imports);
 - data: photos (JPEGs of 400-520 px) decoded per batch, and a stream of unequal parquet shards (--streaming), each
   under DDP and ZeRO-2 on every GPU: the log says which path, each killed (SIGKILL) after checkpoint-10 and resumed
-  by the same command to the uninterrupted run's weights, pipeline() scores the saved models;
+  by the same command to the uninterrupted run's weights, pipeline() scores the saved models; and a copy of a few
+  photos with a real collection's odd files (build_odd_asset) under DDP: three unreadable validation images as one
+  evaluation batch are left out of the scores on every process count, and the card, log and skipped_images.json
+  say what was left out, replaced and noted;
 - vith: the README's `accelerate launch --config_file accelerate_configs/zero3.yaml` command with the ViT-H recipe on
   every GPU, and the same command without --num_processes (on fewer than 8 GPUs: those GPUs train, one line
   says so).
@@ -60,6 +63,10 @@ from vit_recipes.strategies import BY_NAME  # noqa: E402
 
 PARTS = ("strategies", "kill", "resume", "single", "vith", "data")
 DATA = {"photos": (), "stream": ("--streaming", "true", "--shuffle_buffer_size", "0")}  # the data part's sources
+# The data part's folder of odd files (build_odd_asset): the unreadable ones by split, as skipped_images.json names
+# them (training replaces its, evaluation leaves its out); the validation three sort first, as one evaluation batch.
+ODD_UNREADABLE = {"train": ["broken.jpg"], "validation": ["0-a.jpg", "0-b.jpg", "0-c.jpg"]}
+ODD_EVAL_BATCH = len(ODD_UNREADABLE["validation"])
 STEPS, SAVE_EVERY, GLOBAL_BATCH = 30, 10, 64
 # bf16 autocast over 30 steps: other reduction orders (sharding, another process count) move the per-step loss by
 # up to ~1% here; a wrong resume, a missed gradient or a lost optimizer state moves it by far more (tens of %).
@@ -328,6 +335,9 @@ class Suite:
             self.training(f"resume-{source}", "data", "ddp", self.procs, out=out, extra=extra, report=False,
                           needs=(killed.name, f"{source}-ddp"))  # fmt: skip
         self.score(["photos-ddp", "stream-ddp"], "data")
+        odd = ("--dataset_name", str(self.assets / "odd"), "--decode_images", "per_batch",
+               "--per_device_eval_batch_size", str(ODD_EVAL_BATCH), "--save_strategy", "no")  # fmt: skip
+        self.training("odd-ddp", "data", "ddp", self.procs, extra=odd, report=False)
 
     # --------------------------------------------------------------------------------------------------- run
     def run(self) -> None:
@@ -665,6 +675,7 @@ def check(suite: Suite) -> list[dict]:
             lines[-1][:300] if lines else why_failed(suite, "to1-zero3"))  # fmt: skip
     check_single(suite, add, ran)
     check_vith(suite, add, ran)
+    check_odd(suite, add, ran)
     for name in [f"{d}-{s}" for d in DATA for s in ("ddp", "zero2") if f"{d}-{s}" in suite.jobs]:
         said = "--streaming" if name.startswith("stream") else "no decoded copy on disk"
         if ran("data", name):
@@ -773,6 +784,52 @@ def check_vith(suite: Suite, add, ran) -> None:
     check_zero3_as_typed(suite, add)
 
 
+def check_odd(suite: Suite, add, ran) -> None:
+    """odd-ddp: the photo folder of odd files trained and evaluated on every process: the readable validation images
+    scored and no replacement (per-class support, the log's count), the card and log name what was left out, replaced
+    and noted, and skipped_images.json lists the unreadable images by split."""
+    name, n, out = "odd-ddp", suite.procs, suite.work / "odd-ddp"
+    if name not in suite.jobs or not ran("data", name):
+        return
+    text, card = log_text(suite, name), (out / "README.md").read_text() if (out / "README.md").is_file() else ""
+    bad = len(ODD_UNREADABLE["validation"])
+    readable = len(odd_readable(suite.assets / "odd" / "validation"))
+    support = None
+    if (out / "per_class_accuracy_validation.csv").is_file():
+        import csv
+
+        with open(out / "per_class_accuracy_validation.csv") as f:
+            support = sum(int(row["support"]) for row in csv.DictReader(f))
+    said = re.findall(rf"validation: {bad} unreadable image\(s\) left out of this evaluation: its loss and metrics "
+                      r"count the (\d+) others", text)  # fmt: skip
+    add("data", f"{name}: {bad} unreadable validation images as one evaluation batch on {n} processes: the {readable} "
+        "readable ones scored, none replaced", name, support == readable and said == [str(readable)],
+        f"per-class support {support}; the log's count {said or 'no line'}")  # fmt: skip
+    notes = [f"validation: {bad} unreadable image(s) left out of its evaluation",
+             "train: 1 unreadable image(s) replaced in their batch by another of it",
+             "train: 1 animated or multi-frame image(s): the first frame is used",
+             "train: 1 high-bit-depth image(s) brighter than the white level 255",
+             "Left out 1 empty image file(s) (0 bytes): validation/"]  # fmt: skip
+    missing = [x for x in notes if x not in card or x not in text]
+    add(
+        "data",
+        f"{name}: the card and the log say what was left out, replaced and noted (unreadable, animated, "
+        "16-bit, empty files)",
+        name,
+        not missing,
+        f"missing: {missing}" if missing else f"{len(notes)} notes in both",
+    )
+    skipped = _json(out / "skipped_images.json")
+    listed = {split: sorted(Path(x["image"]).name for x in items) for split, items in skipped.items()}
+    add(
+        "data",
+        f"{name}: skipped_images.json lists the unreadable images by split",
+        name,
+        listed == ODD_UNREADABLE,
+        str(listed),
+    )
+
+
 def check_zero3_as_typed(suite: Suite, add) -> None:
     """The README's zero3 command as typed (the config's 8 processes) on fewer GPUs: the processes past the GPUs exit
     before the process group (vit_recipes.launch.step_aside), the others train, one line says so, and nothing of the
@@ -826,6 +883,8 @@ def build_assets(suite: Suite, parts: list[str]) -> None:
         (a / "vit-base-100").symlink_to(a / "vit-base")
     if "data" in parts and not (a / "stream").is_dir():
         build_data_assets(a, 200 if suite.cpu else 4000)
+    if "data" in parts and not (a / "odd").is_dir():
+        build_odd_asset(a)
     if "single" in parts and not (a / "cifar100-multilabel").is_dir():
         from datasets import ClassLabel, Features, Sequence, load_dataset
 
@@ -863,6 +922,42 @@ def build_data_assets(a: Path, images: int) -> None:
             rows.select(range(lo, hi)).to_parquet(
                 str(a / "stream" / "data" / f"{split}-{i:05d}-of-{len(shares):05d}.parquet")
             )
+
+
+def build_odd_asset(a: Path, per_class: int = 8) -> None:
+    """odd/: a few photos of each class (8 to train: 30 steps of 64 decode each image many times, so every odd one is
+    met; 3 to validate) with what real collections hold besides, each of which once ended a run or went silently wrong
+    (issue 46): unreadable JPEGs (ODD_UNREADABLE: the validation three, sorted first, are one evaluation batch of one
+    process), an animated GIF and a 16-bit PNG past the 64 images that set the white level (the last class), an empty
+    file, a hidden AppleDouble file and a .jfif photo. Written beside and renamed: a build cut short is not kept."""
+    import numpy as np
+    from PIL import Image
+
+    tmp = a / "odd.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for split, count in (("train", per_class), ("validation", 3)):
+        for folder in sorted((a / "photos" / split).iterdir()):
+            (tmp / split / folder.name).mkdir(parents=True)
+            for photo in sorted(folder.iterdir())[:count]:
+                shutil.copy(photo, tmp / split / folder.name / photo.name)
+    train, validation = sorted((tmp / "train").iterdir()), sorted((tmp / "validation").iterdir())
+    for split, names in ODD_UNREADABLE.items():
+        for name in names:
+            ((train[-1] if split == "train" else validation[0]) / name).write_bytes(b"\xff\xd8\xff not a whole JPEG")
+    frames = [Image.new("RGB", (480, 360), (255 * i, 0, 0)) for i in range(2)]
+    frames[0].save(train[-1] / "animated.gif", save_all=True, append_images=frames[1:])
+    Image.fromarray(np.linspace(0, 60000, 480 * 360).reshape(360, 480).astype(np.uint16)).save(train[-1] / "deep.png")
+    hidden = validation[1] / f"._{next(validation[1].glob('*.jpg')).name}"  # macOS's AppleDouble file beside a photo
+    hidden.write_bytes(b"\x00\x05\x16\x07" + bytes(78))
+    (validation[1] / "empty.jpg").write_bytes(b"")
+    shutil.copy(next(validation[2].glob("*.jpg")), validation[2] / "saved.jfif")
+    tmp.rename(a / "odd")
+
+
+def odd_readable(folder: Path) -> list[Path]:
+    """The images of odd/'s split `folder` that decode: its photos and the .jfif, not the empty, hidden or unreadable."""
+    unreadable = {n for names in ODD_UNREADABLE.values() for n in names}
+    return [p for p in folder.glob("*/*") if p.stat().st_size and p.name[0] != "." and p.name not in unreadable]
 
 
 def score(models: list[Path], work: Path, cpu: bool) -> None:

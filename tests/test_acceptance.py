@@ -311,3 +311,79 @@ def test_the_zero3_command_as_typed_passes_when_the_gpus_train_and_fails_on_the_
 
     assert status(said, 0) is True
     assert status(refused, 1) is False and status("", 0) is False
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_the_odd_files_job_passes_on_what_the_run_should_write_and_fails_where_a_replacement_is_scored(
+    acceptance, tmp_path, cpu
+):
+    """odd-ddp: the photos' odd copy under DDP on every process (CPU processes with --cpu), evaluated in batches of 3,
+    so the three unreadable validation files, sorted first, are one batch of one process. Its checks pass on what the
+    run should write; they fail where the replaced images were scored, a note is missing or skipped_images.json lists
+    a file the indexer leaves out."""
+    from PIL import Image
+
+    args = SimpleNamespace(work=str(tmp_path), cpu=cpu, per_gpu=4, budget=None)
+    suite = acceptance.Suite(args, 2)
+    suite.plan(["data"], {"odd-ddp"})
+    assert set(suite.jobs) == {"odd-ddp"}
+    job, out = suite.jobs["odd-ddp"], tmp_path / "odd-ddp"
+    odd = f"--dataset_name {tmp_path}/assets/odd --decode_images per_batch --per_device_eval_batch_size 3"
+    assert "--config_file accelerate_configs/ddp.yaml --num_processes 2" in command(suite, "odd-ddp")
+    assert odd in command(suite, "odd-ddp") and job.gpus == (0 if cpu else 2) and ("--use_cpu" in job.argv) == cpu
+    photos = tmp_path / "assets" / "photos"
+    for split, count in (("train", 2), ("validation", 1)):
+        for c in range(3):
+            (photos / split / f"class_{c:04d}").mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (8, 8), (80 * c, 0, 0)).save(
+                    photos / split / f"class_{c:04d}" / f"{c + 3 * i:08d}.jpg"
+                )
+    acceptance.build_odd_asset(tmp_path / "assets")
+    validation = tmp_path / "assets" / "odd" / "validation"
+    assert sorted(p.name for p in (validation / "class_0000").iterdir())[:3] == ["0-a.jpg", "0-b.jpg", "0-c.jpg"]
+    readable = acceptance.odd_readable(validation)
+    assert sorted(p.name for p in readable) == ["00000000.jpg", "00000001.jpg", "00000002.jpg", "saved.jfif"]
+    assert not (tmp_path / "assets" / "odd.tmp").exists()
+
+    out.mkdir()
+    (tmp_path / "logs").mkdir()
+    notes = [
+        "validation: 3 unreadable image(s) left out of its evaluation",
+        "train: 1 unreadable image(s) replaced in their batch by another of it",
+        "train: 1 animated or multi-frame image(s): the first frame is used",
+        "train: 1 high-bit-depth image(s) brighter than the white level 255 (set by the first 64 images): ...",
+        "Left out 1 empty image file(s) (0 bytes): validation/class_0001/empty.jpg",
+    ]
+    left_out = "validation: 3 unreadable image(s) left out of this evaluation: its loss and metrics count the 4 others"
+    (tmp_path / "logs" / "odd-ddp.log").write_text("".join(f"12:00:00 WARNING x: {x}\n" for x in [*notes, left_out]))
+    (out / "README.md").write_text("\n".join(f"- {x}" for x in notes))
+    unreadable = [("train", "class_0002/broken.jpg")] + [("validation", f"class_0000/0-{c}.jpg") for c in "abc"]
+    skipped = {}
+    for split, path in unreadable:
+        skipped.setdefault(split, []).append(
+            {"image": f"{tmp_path}/assets/odd/{split}/{path}", "problem": "unreadable"}
+        )
+    (out / "skipped_images.json").write_text(json.dumps(skipped))
+
+    def per_class(supports) -> None:
+        rows = "".join(f"class_{c:04d},{s},0.5\n" for c, s in enumerate(supports))
+        (out / "per_class_accuracy_validation.csv").write_text("label,support,accuracy\n" + rows)
+
+    def status() -> dict[str, str]:
+        return {r["check"].split(": ", 1)[1]: r["status"] for r in acceptance.check(suite) if r["part"] == "data"}
+
+    job.result = {"exit": 0, "command": "odd-ddp"}
+    per_class([1, 1, 2])
+    scored = "3 unreadable validation images as one evaluation batch on 2 processes: the 4 readable ones scored, none replaced"
+    said = "the card and the log say what was left out, replaced and noted (unreadable, animated, 16-bit, empty files)"
+    listed = "skipped_images.json lists the unreadable images by split"
+    assert status() == {scored: "PASS", said: "PASS", listed: "PASS"}
+    per_class([4, 1, 2])  # the three left out scored as copies of other images
+    assert status()[scored] == "FAIL"
+    (out / "README.md").write_text("\n".join(f"- {x}" for x in notes[1:]))
+    skipped["validation"].append({"image": str(validation / "class_0001" / "empty.jpg"), "problem": "unreadable"})
+    (out / "skipped_images.json").write_text(json.dumps(skipped))
+    assert status() == {scored: "FAIL", said: "FAIL", listed: "FAIL"}
+    job.result = {"exit": 1}
+    assert status() == {"runs": "FAIL"}
