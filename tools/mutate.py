@@ -25,6 +25,7 @@ import ast
 import compileall
 import contextlib
 import datetime
+import functools
 import gc
 import importlib
 import importlib.util
@@ -104,6 +105,11 @@ def load(path: Path = LIST) -> list[Mutation]:
 
 def tests_in(test_file: Path) -> set[str]:
     """The test functions of a test file, as node ids name them (test_x, TestY::test_x), read without importing it."""
+    return _tests_in(test_file, test_file.stat().st_mtime_ns)
+
+
+@functools.cache
+def _tests_in(test_file: Path, mtime: int) -> set[str]:
     names = set()
     for node in ast.parse(test_file.read_text()).body:
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
