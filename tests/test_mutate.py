@@ -31,7 +31,10 @@ def test_a_mutation_is_killed_survives_or_is_stale_and_the_module_is_left_as_it_
     module = "def add(a, b):\n    return a + b\n\n\ndef double(x):\n    return x * 2  # x * 2\n"
     (package / "calc.py").write_text(module)
     (tests / "test_calc.py").write_text(
-        "from vit_recipes.calc import add\n\n\ndef test_add():\n    assert add(2, 2) == 4\n"
+        "from vit_recipes.calc import add\n\ndef test_add():\n    assert add(2, 2) == 4\n"
+    )
+    (tests / "test_fresh.py").write_text(
+        "import gc\n\ndef test_not_forked():\n    assert gc.get_freeze_count() == 0\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tools / "mutate.py").write_text((ROOT / "tools" / "mutate.py").read_text())
@@ -65,8 +68,14 @@ def test_a_mutation_is_killed_survives_or_is_stale_and_the_module_is_left_as_it_
     assert "| calc/doubles | doubles | survived |" in record.with_suffix(".md").read_text()
     assert (package / "calc.py").read_text() == module
     assert not list(package.rglob("__pycache__"))  # nothing written beside the module either
-    fresh = run("--fresh", "--no-baseline", "--ids", "adds,doubles", "--record", str(record))  # new interpreters
+    # A test that passes in a new interpreter but not in a fork of the tool (which froze its objects for the
+    # garbage collector): each mutation then runs in a new interpreter, with the same results.
+    for entry in entries:
+        entry["tests"].append("tests/test_fresh.py::test_not_forked")
+    (tmp_path / "fresh.yaml").write_text(json.dumps({"mutations": entries[:2]}))
+    fresh = run("--list", str(tmp_path / "fresh.yaml"), "--record", str(record))
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert "each mutation runs in a new interpreter: forked, the unmutated tests end otherwise" in fresh.stdout
     assert [r["status"] for r in json.loads(record.read_text())["mutations"]] == ["killed", "survived"]
     assert (package / "calc.py").read_text() == module
     check = run("--check", "--ids", "adds,gone")

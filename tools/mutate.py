@@ -16,7 +16,8 @@ run would reuse) and pytest folder; its tests stop at the first failure. First t
 once unmutated, in a new interpreter (the baseline): a mutation whose tests fail there is "not run", never "killed".
 Most of a run's time is importing torch, transformers and datasets, so this process then imports the libraries the
 baseline imported (never vit_recipes or the tests), and each mutation's run is a fork of it that imports only the
-mutated copy and the tests: seconds, not a minute, each. --fresh runs each in a new interpreter instead.
+mutated copy and the tests: seconds, not a minute, each. The baseline runs forked too, and must end as it did in the
+new interpreter; else, or with --fresh, each mutation runs in a new interpreter.
 The record (JSON, and markdown beside it) goes to --record.
 """
 
@@ -29,7 +30,6 @@ import functools
 import gc
 import importlib
 import importlib.util
-import io
 import json
 import os
 import re
@@ -255,6 +255,26 @@ def ours(name: str, file: str) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _quiet():
+    """What libraries print while imported, to /dev/null. The files 1 and 2, not sys.stdout: a log handler made now
+    keeps the sys.stdout it saw, which in a child must be the child's output."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, null = (os.dup(1), os.dup(2)), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
 def preload(probe: Path) -> str:
     """Import what the baseline imported, none of ours, in the environment its tests ran in; "" when this process
     can then be forked, else why not."""
@@ -262,7 +282,7 @@ def preload(probe: Path) -> str:
     for key, value in found["env"].items():
         if key not in os.environ and key != "PYTEST_CURRENT_TEST":
             os.environ[key] = value
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with _quiet():
         for name, file in found["modules"].items():
             if name not in sys.modules and not ours(name, file):
                 with contextlib.suppress(Exception):  # one a library imports only in some setting, say
@@ -301,11 +321,22 @@ def judge(result: Result, code: int | None, failed: list[str], output: str, time
         result.status, result.detail = "error", f"exit {code}: {lines[-1] if lines else 'no output'}"
 
 
-def run_mutations(mutations: list[Mutation], timeout: float, jobs: int, fork: bool, keep: Path | None, report):
-    """Each mutation on its own copy of src/, `jobs` at a time; `report(result)` as each ends."""
-    template = Path(tempfile.mkdtemp(prefix="mutate-")) / "src"  # src/ compiled once: each copy imports faster
-    shutil.copytree(ROOT / "src", template, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    compileall.compile_dir(template, quiet=2)
+def compiled_copy(folder: Path) -> Path:
+    """src/ copied into `folder` and compiled once: each mutation's copy of it imports faster."""
+    shutil.copytree(ROOT / "src", folder / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    compileall.compile_dir(folder / "src", quiet=2)
+    return folder / "src"
+
+
+def wait(job: Job, timeout: float) -> tuple[int | None, list[str], str]:
+    """The job's exit code (None: timed out), failing tests and output, once it ends."""
+    while not (ended := job.poll(timeout))[0]:
+        time.sleep(0.2)
+    return ended[1], *job.failed()
+
+
+def run_mutations(mutations, template: Path, timeout: float, jobs: int, fork: bool, keep: Path | None, report):
+    """Each mutation on its own copy of `template` (src/), `jobs` at a time; `report(result)` as each ends."""
     pending, running = list(mutations), []
     try:
         while pending or running:
@@ -345,7 +376,6 @@ def run_mutations(mutations: list[Mutation], timeout: float, jobs: int, fork: bo
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.pid, signal.SIGKILL)
             shutil.rmtree(job.work, ignore_errors=True)
-        shutil.rmtree(template.parent, ignore_errors=True)
 
 
 def baseline(mutations: list[Mutation], timeout: float, probe: Path, collect_only: bool = False):
@@ -356,12 +386,24 @@ def baseline(mutations: list[Mutation], timeout: float, probe: Path, collect_onl
     try:
         job = Job(tests, None, ROOT / "src", work, stop_first=False, collect_only=collect_only)
         job.start(fork=False, probe=probe)
-        while not (ended := job.poll(timeout * 3))[0]:
-            time.sleep(0.5)
-        failed, output = job.failed()
+        return wait(job, timeout * 3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return ended[1], failed, output
+
+
+def forks_agree(mutations: list[Mutation], template: Path, timeout: float, code: int, failing: list[str]) -> str:
+    """The baseline again, forked: "" when it ends as in a new interpreter, else how it differs."""
+    tests = sorted({t for m in mutations for t in m.tests if not unknown_tests([t])})
+    work = Path(tempfile.mkdtemp(prefix="mutate-"))
+    try:
+        job = Job(tests, None, template, work, stop_first=False)
+        job.start(fork=True)
+        forked, failed, _ = wait(job, timeout * 3)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if forked == code and sorted(failed) == sorted(failing):
+        return ""
+    return f"forked, the unmutated tests end otherwise (exit {forked}, failing {', '.join(failed) or 'none'})"
 
 
 def touches(mutation: Mutation, failing: list[str]) -> list[str]:
@@ -484,9 +526,13 @@ def main(argv: list[str] | None = None) -> int:
                 failing = []
             elif failing:
                 print(f"   failing unmutated: {', '.join(failing)}", flush=True)
+        template = compiled_copy(Path(run))
         if fork:
             os.environ["HF_DATASETS_CACHE"] = str(Path(run, "hf_datasets"))  # what datasets derives at import
-            if why := preload(probe) if probe.is_file() else "the baseline listed no libraries":
+            why = preload(probe) if probe.is_file() else "the baseline listed no libraries"
+            if not why and not args.no_baseline:
+                why = forks_agree(mutations, template, args.timeout, code, failing)
+            if why:
                 print(f"   each mutation runs in a new interpreter: {why}", flush=True)
                 fork = False
         runnable = []
@@ -495,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                 report(Result(m.name, m.removes, "not run", f"its test fails unmutated: {hits[0]}", tests=m.tests))
             else:
                 runnable.append(m)
-        run_mutations(runnable, args.timeout, max(1, args.jobs), fork, args.keep_output, report)
+        run_mutations(runnable, template, args.timeout, max(1, args.jobs), fork, args.keep_output, report)
     order = {m.name: i for i, m in enumerate(mutations)}
     results.sort(key=lambda r: order[r.name])
     command = "python tools/mutate.py " + " ".join(argv if argv is not None else sys.argv[1:])
