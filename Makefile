@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 DEMO_DIR ?= data/digits
 DEMO_OUT ?= outputs/digits-vit
 
-.PHONY: install demo test test-gpu bench index style quality clean
+.PHONY: install demo test test-gpu mutate bench index style quality clean
 
 # Test files run on one worker process per core, at most 4 (pytest-xdist), each file's tests on one worker, in
 # order, so its shared fixtures are built once (test_distributed.py's slowest tests form two more groups), the
@@ -46,6 +46,12 @@ test: .installed-test
 test-gpu:
 	$(PYTHON) -c "import deepspeed, datasets, evaluate, vit_recipes" 2>/dev/null || $(PIP) install -e ".[deepspeed]"
 	$(PYTHON) benchmarks/acceptance.py $(if $(PARTS),--parts $(PARTS)) $(if $(RECORD),--record $(RECORD))
+
+# Do the tests catch a removed behaviour? Each one-line mutation tools/mutations.yaml lists for MODULES (all listed
+# without it), applied alone to a copy of src/, with the fast tests named for it: killed or survived, into
+# outputs/mutate/last.json and .md (docs/development.md). ARGS adds options (ARGS="--ids decoding/unplaced").
+mutate: .installed-test
+	$(PYTHON) tools/mutate.py $(if $(MODULES),--modules $(MODULES)) $(ARGS)
 
 # One benchmark suite (benchmarks/suites/SUITE.yaml) on this machine, into a record folder of benchmarks/results/
 # (docs/benchmarks.md); ARGS adds runner options (ARGS="--gpus 2 --only ddp"). Without SUITE: the suites and questions.
