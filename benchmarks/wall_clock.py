@@ -17,7 +17,8 @@ and datasets caches: a new machine) and warm (the same command again, into a new
 - photos-epoch: the same folder, one whole epoch (`--num_train_epochs 1`), the validation split evaluated at its end.
 - stream8, stream1, stream1-rg100: the photos200 job with `--streaming` on the same folder written again as parquet
   files of image bytes, as Hub datasets come (tools/jpeg_folder.py --parquet): train in 8 files of one row group
-  each, in 1 file of one row group, and in 1 file of 100-row groups. Their steady img/s and data wait against the
+  each, in 1 file of one row group (at most 1.8 GiB of images: pyarrow reads no larger row group, so ~40,000 of
+  60,000 photos), and in 1 file of 100-row groups. Their steady img/s and data wait against the
   folder's (photos200-ours, same call): a stream must not decode slower because it has few files.
 
 `ours-compiled` runs (`--torch_compile_regions true`, cold then warm) measure what regional compilation costs once

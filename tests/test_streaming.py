@@ -394,3 +394,20 @@ def test_a_shard_failing_mid_read_is_one_line_naming_it_even_from_a_worker(shard
         first_batches(RankStream(stream.select_columns(["n"]), 0, 1, seed=0, buffer=0), workers)
     assert str(caught.value).startswith(f"--streaming: shard {broken} could not be read (ArrowInvalid: ")
     assert "\n" not in str(caught.value)
+
+
+def test_a_row_group_too_large_for_pyarrow_is_one_line_naming_its_shard_when_probed(shards):
+    """pyarrow cannot read a row group of over 2 GiB of image bytes (one row group for a whole Hub-sized file): the
+    probe of the stream's first images (decoding.prepare_images) says so in one line naming the shard."""
+    import pyarrow as pa
+
+    class TooLarge:  # a shard as datasets reads it: its builder logs the file, then re-raises pyarrow's error
+        def __iter__(self):
+            logging.getLogger("datasets").error("Failed to read file '/data/train.parquet' with error <...>")
+            raise pa.ArrowNotImplementedError("Nested data conversions not implemented for chunked array outputs")
+
+    stream = stream_splits(shards).train
+    stream.part = TooLarge()
+    with pytest.raises(StreamError, match=r"^--streaming: shard /data/train.parquet has a row group of over 2 GiB of "
+                       r"image bytes, which pyarrow cannot read: write it again in smaller row groups"):  # fmt: skip
+        stream.head(64)

@@ -62,10 +62,14 @@ def write_folder(root: Path, images: int, classes: int, validation: float = 0.05
         return sum(pool.map(write_one, tasks, chunksize=64))
 
 
+ROW_GROUP_BYTES = 1.8 * 2**30  # pyarrow reads no row group of over 2 GiB of nested binary data
+
+
 def write_parquet(folder: Path, out: Path, files: int, row_group: int | None = None) -> int:
     """FOLDER's images as OUT/<split>-0000i-of-0000n.parquet (datasets' shard names), each row {image: {bytes, path},
     label}, typed as datasets' Image and ClassLabel; train in `files` files of one row group each, or of `row_group`
-    rows. Returns the bytes written."""
+    rows. A file of one row group holds at most ROW_GROUP_BYTES of images (pyarrow cannot read a larger one: the
+    rest of its share is left out, and said). Returns the bytes written."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -78,6 +82,10 @@ def write_parquet(folder: Path, out: Path, files: int, row_group: int | None = N
         paths = sorted((folder / split).rglob("*.jpg"))
         for i in range(count):
             part = paths[i::count]  # every class in every file, as a shuffled Hub shard holds them
+            if row_group is None and (size := sum(p.stat().st_size for p in part)) > ROW_GROUP_BYTES:
+                kept = int(len(part) * ROW_GROUP_BYTES / size)
+                print(f"{split} file {i}: {kept} of its {len(part)} images, one row group within pyarrow's 2 GiB")
+                part = part[:kept]
             table = pa.Table.from_pydict(
                 {"image": [{"bytes": p.read_bytes(), "path": p.name} for p in part],
                  "label": [names.index(p.parent.name) for p in part]},

@@ -275,7 +275,7 @@ def prepare_images(splits: ImageSplits, image_size: int, data_args) -> ImageSpli
     """Choose how this dataset's images reach the DataLoader (module docstring), say which and why, and do it."""
     reference = splits.train or splits.validation or splits.test
     if is_stream(reference):  # its first images, read from this rank's first shard
-        reference = Dataset.from_list(list(itertools.islice(reference.part, 64)), features=reference.part.features)
+        reference = Dataset.from_list(reference.head(64), features=reference.part.features)
     storage = storage_format(reference, splits.image_column, image_size, data_args.storage_size)
     decode, why = choose_decoding(data_args.decode_images, storage)
     if is_stream(splits.train):

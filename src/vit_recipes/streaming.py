@@ -13,6 +13,8 @@ parquet/arrow/WebDataset shards or image folders); validation and test stay map-
   DataLoader worker at step 0.
 """
 
+import contextlib
+import itertools
 import logging
 import math
 import os
@@ -71,10 +73,29 @@ def unreadable_shard(err: Exception) -> StreamError:
     to come), as one line naming the shard where datasets logged it."""
     file, _failed_file.file = _failed_file.file, None
     where = f"shard {file}" if file else "a shard of the training stream"
+    if "Nested data conversions not implemented for chunked array outputs" in str(err):
+        return StreamError(
+            f"--streaming: {where} has a row group of over 2 GiB of image bytes, which pyarrow cannot read: write it "
+            "again in smaller row groups (datasets' to_parquet writes 100 images a group), or split it into files"
+        )
     return StreamError(
         f"--streaming: {where} could not be read ({type(err).__name__}: {first_line(err)}): replace the file (copy or "
         "export it again), or remove it from the dataset; a Hub dataset: run again (the Hub may have failed to send)"
     )
+
+
+@contextlib.contextmanager
+def naming_failed_shards():
+    """A reading error of the stream inside the block as one line naming its shard (`unreadable_shard`). A local
+    shard's footer is checked up front, not its pages; and pyarrow cannot read a row group of over 2 GiB of image
+    bytes at all ("Nested data conversions not implemented for chunked array outputs")."""
+    if _failed_file not in logging.getLogger("datasets").handlers:  # in this process (a DataLoader worker)
+        logging.getLogger("datasets").addHandler(_failed_file)
+    _failed_file.file = None
+    try:
+        yield
+    except (pa.ArrowException, OSError) as err:
+        raise unreadable_shard(err) from None
 
 
 class RankStream(torch.utils.data.IterableDataset):
@@ -101,13 +122,13 @@ class RankStream(torch.utils.data.IterableDataset):
         return self.part.num_shards
 
     def __iter__(self):
-        if _failed_file not in logging.getLogger("datasets").handlers:  # in this process (a DataLoader worker)
-            logging.getLogger("datasets").addHandler(_failed_file)
-        _failed_file.file = None
-        try:
+        with naming_failed_shards():
             yield from self._rows()
-        except (pa.ArrowException, OSError) as err:  # a local shard is checked up front, but only its footer
-            raise unreadable_shard(err) from None
+
+    def head(self, n: int) -> list[dict]:
+        """The first `n` rows of this rank's part, unshuffled (what decoding probes), read as __iter__ reads."""
+        with naming_failed_shards():
+            return list(itertools.islice(self.part, n))
 
     def _rows(self):
         skip, self._skip = self._skip, 0
