@@ -639,7 +639,10 @@ def check(suite: Suite) -> list[dict]:
             f"exit {killed.get('exit')}, {len(killed.get('killed_pids', []))} processes killed, {len(survivors)} "
             f"alive after; checkpoints at the kill {killed.get('killed_at')}, before the resume {after_kill}")  # fmt: skip
         if was_killed and ran(part, f"resume-{s}", f"{s}: the same command again resumes"):
-            resumed_like_uninterrupted(f"{s}: resumed", reference, f"kill-{s}", f"resume-{s}", SAVE_EVERY, part)
+            # the newest checkpoint complete at the kill: a run fast enough to write the next before the kill lands
+            # (the suite polls for the first) resumes from that one
+            newest = max(int(c.rsplit("-", 1)[1]) for c in killed["killed_at"]) if killed["killed_at"] else SAVE_EVERY
+            resumed_like_uninterrupted(f"{s}: resumed", reference, f"kill-{s}", f"resume-{s}", newest, part)
     for s in SIGNALLED:
         if f"term-{s}" not in suite.jobs:
             continue

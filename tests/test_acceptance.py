@@ -104,9 +104,11 @@ def test_checks_fail_for_a_drifting_resume_a_run_that_was_not_killed_and_a_wrong
     (tmp_path / "logs" / "resume-fsdp2.log").write_text(  # resumed, but not from the checkpoint the kill left
         f"WARNING Resuming the run found in {tmp_path}/kill-fsdp2 from {tmp_path}/kill-fsdp2/checkpoint-30\n"
     )
-    suite.jobs["kill-zero2"].result = {**killed, "after_kill": ["checkpoint-10"], "results_after_kill": False}
+    # fast enough to write checkpoint-20 before the kill landed: resumed from that one, the newest
+    saved = ["checkpoint-10", "checkpoint-20"]
+    suite.jobs["kill-zero2"].result = {**killed, "killed_at": saved, "after_kill": saved, "results_after_kill": False}
     (tmp_path / "logs" / "resume-zero2.log").write_text(
-        f"WARNING Resuming the run found in {tmp_path}/kill-zero2 from {tmp_path}/kill-zero2/checkpoint-10\n"
+        f"WARNING Resuming the run found in {tmp_path}/kill-zero2 from {tmp_path}/kill-zero2/checkpoint-20\n"
     )
     for run in ("kill-zero2", "zero2", "kill-fsdp2", "fsdp2", "term-zero2", "term-ddp", "ddp"):  # the same weights
         save_file({"w": torch.ones(2)}, tmp_path / run / "model.safetensors")
