@@ -428,7 +428,7 @@ def summary(results: list[Result]) -> dict[str, dict[str, int]]:
 
 def _git(*args: str) -> str:
     done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else ""
+    return done.stdout.rstrip() if done.returncode == 0 else ""  # not strip(): porcelain lines start with a space
 
 
 def write_record(path: Path, results: list[Result], mutations: list[Mutation], command: str, seconds: float) -> None:
