@@ -4,7 +4,7 @@ a time, and runs the fast tests named for it: killed (a test failed), survived (
 that behaviour), stale (its original text is not in the module exactly once: the list needs updating).
 
     make mutate MODULES=folder_index,decoding                       # or: python tools/mutate.py --modules ...
-    python tools/mutate.py --ids images/alpha-on-white,decoding/unplaced
+    python tools/mutate.py --ids images/alpha-on-white,streaming/repeats
     python tools/mutate.py --check                                  # the list alone: stale entries, unknown tests
 
 General tools (mutmut, cosmic-ray) generate hundreds of mutants per module and run the tests for each: hours with
