@@ -49,7 +49,7 @@ test-gpu:
 
 # Do the tests catch a removed behaviour? Each one-line mutation tools/mutations.yaml lists for MODULES (all listed
 # without it), applied alone to a copy of src/, with the fast tests named for it: killed or survived, into
-# outputs/mutate/last.json and .md (docs/development.md). ARGS adds options (ARGS="--ids decoding/unplaced").
+# outputs/mutate/last.json and .md (docs/development.md). ARGS adds options (ARGS="--ids streaming/repeats").
 mutate: .installed-test
 	$(PYTHON) tools/mutate.py $(if $(MODULES),--modules $(MODULES)) $(ARGS)
 

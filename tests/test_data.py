@@ -263,6 +263,24 @@ def test_every_pil_mode_decodes_to_rgb_uint8():
     assert np.asarray(to_rgb(clear)).min() == 255
 
 
+def test_transparent_palettes_float_images_and_exif_rotation_decode_as_shown():
+    """A palette PNG's transparent colour is white (as RGBA's alpha); a float image of values in [0, 1] is scaled by
+    1.0, not 255 (near black); a photo stored on its side is turned upright by its EXIF orientation."""
+    from vit_recipes.images import decode_to_chw, to_rgb
+
+    buffer = io.BytesIO()
+    PILImage.new("P", (4, 4), 0).save(buffer, format="PNG", transparency=0)  # colour 0: black, transparent
+    assert decode_to_chw({"bytes": buffer.getvalue(), "path": None}, 4, 4)[0].min() == 255
+    assert np.asarray(to_rgb(PILImage.fromarray(np.full((4, 4), 0.5, np.float32)))).max() == 127
+    stored = np.zeros((4, 8, 3), np.uint8)
+    stored[:, :4, 0], stored[:, 4:, 2] = 255, 255  # red left, blue right; orientation 6: turn 90 degrees clockwise
+    exif, buffer = PILImage.Exif(), io.BytesIO()
+    exif[0x0112] = 6
+    PILImage.fromarray(stored).save(buffer, format="JPEG", exif=exif.tobytes(), quality=95)
+    upright, done = decode_to_chw({"bytes": buffer.getvalue(), "path": None}, 8, 4)
+    assert done == "" and upright[0, :3].mean() > 200 and upright[0, 5:].mean() < 50  # red on top, as shown
+
+
 def test_corrupt_images_are_skipped_counted_and_reported(tmp_path):
     good = png(np.full((8, 8, 3), 100, np.uint8))
     split = Dataset.from_dict(
@@ -316,6 +334,8 @@ def test_storage_shape_native_for_small_square_otherwise_256():
     mixed = image_split([np.zeros((h, 300, 3), np.uint8) for h in (280, 500)])
     assert storage_format(mixed, "image", 224, None).shape == (256, 256)
     assert storage_format(mixed, "image", 224, 128).shape == (128, 128)
+    spread = image_split([np.zeros((side, side, 3), np.uint8) for side in (16, 16, 24, 32)])  # no size held by most
+    assert storage_format(spread, "image", 224, None).shape == (256, 256)
 
 
 def test_an_outlier_size_is_resized_to_the_common_one_and_counted(caplog):

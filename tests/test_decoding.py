@@ -126,6 +126,23 @@ def test_auto_decodes_small_images_once_and_photos_per_batch(photos, cifar_like,
     assert "Images decoded once to 32x32 uint8" in said and "The decoded copy of the train images" in said
     forced = prepare_images(splits, 64, decode_args(decode_images="once"))
     assert forced.decode == "once" and "(--decode_images once)" in capsys.readouterr().out
+    rows = splits.train.to_dict()  # the photos stored as bytes (a parquet file of JPEGs): their size is known too
+    stored = [{"bytes": Path(value["path"]).read_bytes(), "path": None} for value in rows["image"]]
+    as_bytes = datasets.Dataset.from_dict({**rows, "image": stored}, features=splits.train.features)
+    assert prepare_images(replace(splits, train=as_bytes), 64, decode_args()).decode == "per_batch"
+
+
+def test_a_stream_decodes_per_batch_where_auto_would_decode_once(cifar_like, capsys):
+    """CIFAR-shaped PNGs are decoded once (the test above), but a stream has no copy to make: per batch, said so."""
+    from vit_recipes.arguments import DataArguments
+    from vit_recipes.streaming import load_stream_splits
+
+    data = DataArguments(dataset_name=str(cifar_like), streaming=True, image_column_name="img",
+                         label_column_name="fine_label")  # fmt: skip
+    training = SimpleNamespace(process_index=0, world_size=1, seed=0, do_eval=False)
+    prepared = prepare_images(load_stream_splits(data, training), 224, decode_args())
+    assert prepared.decode == "per_batch" and prepared.storage_shape == (32, 32)
+    assert "to 32x32 uint8 (--streaming): no decoded copy on disk" in capsys.readouterr().out
 
 
 def test_per_batch_decoding_delivers_the_pixels_of_the_decoded_copy(photos):
@@ -148,8 +165,8 @@ def rows_of_classes(splits: ImageSplits, classes: list[int]) -> list[dict]:
 
 def test_an_unreadable_image_in_a_batch_is_replaced_logged_and_recorded(photos, tmp_path, caplog):
     """Training: an unreadable image is replaced by a copy of another image of its batch, with that image's label
-    (the rows here are of other classes, so a kept label would show). Each is recorded once with its split, images
-    stored as bytes too (told apart by their bytes), and listed under it in skipped_images.json and the card."""
+    (the rows here are of other classes, so a kept label would show). Each worker records each once with its split,
+    images stored as bytes too (told apart by their bytes), listed once under it in skipped_images.json and the card."""
     splits = splits_of(photos)
     rows = rows_of_classes(splits, [0, 1, 2, 1, 2])
     rows[1] = {**rows[1], "image": {"path": str(tmp_path / "gone.jpg"), "bytes": None}}
@@ -165,13 +182,14 @@ def test_an_unreadable_image_in_a_batch_is_replaced_logged_and_recorded(photos, 
     assert batch["labels"].tolist() == [0, 0, 1, 1, 0]  # the replacement's label, not the unreadable image's
     assert f"Unreadable image {tmp_path / 'gone.jpg'} (not found): replaced in its training batch" in caplog.text
     collate(rows)  # the next epoch meets them again: not recorded twice
+    assert len(record.read_text().splitlines()) == 3
+    DecodingCollator((16, 16), 255.0, "image", str(record))(rows)  # another worker meets them: listed once
     bytes_stored = {"image": None, "problem": "unreadable"}
     assert decoding.skipped_during_run(str(tmp_path)) == [
         {"split": "train", "image": str(tmp_path / "gone.jpg"), "problem": "not found"},
         {"split": "train", **bytes_stored},
         {"split": "train", **bytes_stored},
     ]
-    assert len(record.read_text().splitlines()) == 3
     noted = decoding.note_skipped_during_run(replace(splits, decode="per_batch"), str(tmp_path))
     assert noted.skipped == {"train": [{"image": str(tmp_path / "gone.jpg"), "problem": "not found"}, bytes_stored,
                                        bytes_stored]}  # fmt: skip
@@ -199,7 +217,7 @@ def test_a_training_batch_with_no_readable_image_trains_on_the_splits_first_read
     assert "each trains as a black image" in caplog.text
 
 
-def test_evaluation_leaves_unreadable_images_out_of_a_batch_of_its_shape(photos, tmp_path):
+def test_evaluation_leaves_unreadable_images_out_of_a_batch_of_its_shape(photos, tmp_path, caplog):
     """Evaluating, an unreadable image's row stays (accelerate's gather_for_metrics trims the last batch by counting
     full ones), black and labelled LEFT_OUT (multi-label: the whole row); a batch of only unreadable images too."""
     from vit_recipes.metrics import LEFT_OUT
@@ -218,6 +236,7 @@ def test_evaluation_leaves_unreadable_images_out_of_a_batch_of_its_shape(photos,
     assert collate(hot)["labels"].tolist() == [[0.0, 1.0, 1.0], [LEFT_OUT] * 3]
     assert {item["split"] for item in decoding.skipped_during_run(str(tmp_path))} == {"validation"}
     assert len(decoding.skipped_during_run(str(tmp_path))) == 3
+    assert "training batch" not in caplog.text  # nothing replaced, nor said to be
 
 
 def test_a_jpeg_over_pils_bomb_limit_decodes_at_reduced_scale_and_another_image_is_named_too_large(

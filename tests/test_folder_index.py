@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 from PIL import Image
@@ -63,6 +64,55 @@ def test_a_split_keyword_in_a_folder_name_wins_over_one_in_a_file_name(tmp_path)
     splits = index_folder(root).splits
     assert {"train/cat/test_1.png", "train/dog/validation_shot.png"} <= set(splits["train"])
     assert {s: len(f) for s, f in splits.items()} == {"train": 8, "test": 6}
+
+
+def test_hub_shard_names_name_their_split_whatever_it_is_called(tmp_path):
+    """`data/<split>-00000-of-00002.parquet`, as the Hub writes them: a split of any name, as datasets reads them (by
+    split keywords alone, `holdout` would be training data)."""
+    root = tree(tmp_path, {f"data/{s}-0000{i}-of-0000{n}.parquet": b"" for s, n in (("train", 1), ("holdout", 2))
+                           for i in range(n)})  # fmt: skip
+    assert index_folder(root).splits == {
+        "train": ["data/train-00000-of-00001.parquet"],
+        "holdout": ["data/holdout-00000-of-00002.parquet", "data/holdout-00001-of-00002.parquet"],
+    }
+
+
+def test_datasets_files_to_ignore_are_not_read_as_data(tmp_path):
+    """A file of JSON lines beside its dataset card and info file: datasets ignores those (FILES_TO_IGNORE), so the
+    indexer does too, or dataset_info.json would be read as training rows."""
+    root = tree(tmp_path, {"rows.jsonl": b'{"image": "a.png", "label": 0}\n{"image": "b.png", "label": 1}\n',
+                           "README.md": b"# a card", "dataset_info.json": b'{"description": "rows"}'})  # fmt: skip
+    assert {s: len(d) for s, d in load_any(str(root)).items()} == {"train": 2}
+
+
+def test_files_beside_the_images_are_not_rows_and_a_metadata_file_keeps_its_columns(tmp_path):
+    """Windows' Thumbs.db in every photo folder and a notes file are not images: no rows (imagefolder reads image
+    extensions only). A metadata.csv hands the images to datasets' imagefolder, which keeps its columns."""
+    root = tree(classes(tmp_path / "photos"), {"train/cat/Thumbs.db": b"x", "train/dog/desktop.ini": b"x",
+                                               "validation/notes.txt": b"x"})  # fmt: skip
+    loaded = load_any(str(root))
+    assert (len(loaded["train"]), len(loaded["validation"])) == (6, 6)
+    described = tree(tmp_path / "described", {"train/a.png": png(10), "train/b.png": png(20),
+                                              "train/metadata.csv": b"file_name,kind\na.png,x\nb.png,y\n"})  # fmt: skip
+    assert sorted(load_any(str(described))["train"]["kind"]) == ["x", "y"]
+
+
+def test_one_class_folder_gives_no_labels_as_datasets_gives_none(tmp_path):
+    """Folder names are labels only where there are at least two of them (datasets' imagefolder rule)."""
+    root = classes(tmp_path, names=("cat",))
+    ours, theirs = load_any(str(root)), datasets.load_dataset(str(root))
+    assert "label" not in ours["train"].features and "label" not in theirs["train"].features
+
+
+def test_the_signature_changes_when_a_file_changes_size_or_time(tmp_path):
+    """The signature names the folder's decoded copy: a photo replaced under the same name must not find the old
+    copy."""
+    root = classes(tmp_path)
+    photo, before = root / "train" / "cat" / "0.png", index_folder(root).signature
+    photo.write_bytes(png(200) + b"more")
+    resized = index_folder(root).signature
+    os.utime(photo, ns=(photo.stat().st_atime_ns, photo.stat().st_mtime_ns + 10**9))
+    assert len({before, resized, index_folder(root).signature}) == 3
 
 
 def test_a_symlink_loop_is_skipped_in_one_line_and_a_linked_folder_is_followed(tmp_path, caplog):

@@ -93,6 +93,22 @@ def test_a_rank_stream_repeats_reshuffled_and_resumes_where_it_stopped(shards):
     assert seen + [next(rows)["n"] for _ in range(sum(SHARDS))] == straight
 
 
+def test_a_rank_whose_part_is_empty_ends_its_stream_instead_of_repeating_nothing():
+    """One image over 2 ranks: rank 1's part holds no row. Its iteration ends, as the DataLoader expects of a worker
+    without data, where repeating would loop forever without yielding a row."""
+    one = datasets.Dataset.from_dict({"n": [0]}).to_iterable_dataset()
+    stream = RankStream(one, rank=1, world_size=2, seed=0, buffer=0)
+    passes, shuffle = [], stream.part.shuffle
+
+    def counted(**kwargs):
+        passes.append(kwargs["seed"])
+        assert len(passes) < 3, "the empty part is read again and again"
+        return shuffle(**kwargs)
+
+    stream.part.shuffle = counted
+    assert list(stream) == [] and passes == [0]
+
+
 def test_two_ranks_read_disjoint_parts_and_a_stateful_loader_resumes_exactly(shards):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -379,6 +395,24 @@ def test_a_label_missing_at_run_time_is_one_line_even_from_a_worker(shards, tmp_
         "--streaming: an image has no label: its shard has no 'label' column, or the row leaves it empty; give every "
         "image a label, or remove the shards without one"
     )
+
+
+def test_a_streamed_training_label_the_validation_split_lacks_is_one_line(tmp_path):
+    """Labels stored as plain values take their class names from the validation split: a training label it lacks
+    stops the run with its value, where the lookup would fail with a KeyError."""
+    folder = tmp_path / "values" / "data"
+    folder.mkdir(parents=True)
+    image = {"bytes": jpeg(np.zeros((8, 8, 3), np.uint8)), "path": None}
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+    for split, labels in (("train", [0, 1, 2, 5]), ("validation", [0, 1, 2])):
+        rows = datasets.Dataset.from_dict({"image": [image] * len(labels), "label": labels}, features=features)
+        rows.to_parquet(str(folder / f"{split}-00000-of-00001.parquet"))
+    splits = stream_splits(tmp_path / "values")
+    assert splits.label_names == ["0", "1", "2"]
+    with pytest.raises(
+        StreamError, match=r"^--streaming: training label 5 is not among the validation split's labels"
+    ):
+        first_batches(splits.train, 0, n=1)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -4,7 +4,7 @@ a time, and runs the fast tests named for it: killed (a test failed), survived (
 that behaviour), stale (its original text is not in the module exactly once: the list needs updating).
 
     make mutate MODULES=folder_index,decoding                       # or: python tools/mutate.py --modules ...
-    python tools/mutate.py --ids images/alpha-on-white,decoding/unplaced
+    python tools/mutate.py --ids images/alpha-on-white,streaming/repeats
     python tools/mutate.py --check                                  # the list alone: stale entries, unknown tests
 
 General tools (mutmut, cosmic-ray) generate hundreds of mutants per module and run the tests for each: hours with
@@ -428,7 +428,7 @@ def summary(results: list[Result]) -> dict[str, dict[str, int]]:
 
 def _git(*args: str) -> str:
     done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else ""
+    return done.stdout.rstrip() if done.returncode == 0 else ""  # not strip(): porcelain lines start with a space
 
 
 def write_record(path: Path, results: list[Result], mutations: list[Mutation], command: str, seconds: float) -> None:
