@@ -94,7 +94,7 @@ def naming_failed_shards():
     _failed_file.file = None
     try:
         yield
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError) as err:  # read while training: its pages, not only its footer
         raise unreadable_shard(err) from None
 
 
@@ -127,7 +127,7 @@ class RankStream(torch.utils.data.IterableDataset):
 
     def head(self, n: int) -> list[dict]:
         """The first `n` rows of this rank's part, unshuffled (what decoding probes), read as __iter__ reads."""
-        with naming_failed_shards():
+        with naming_failed_shards():  # a probe's failing shard named too
             return list(itertools.islice(self.part, n))
 
     def _rows(self):
