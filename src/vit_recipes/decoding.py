@@ -416,7 +416,8 @@ class DecodingCollator:
                 os.close(fd)
 
     def _replace(self, rows: list[dict], pixels: torch.Tensor, bad: list[int]) -> list[dict]:
-        good = [i for i in range(len(rows)) if i not in set(bad)]
+        broken = set(bad)
+        good = [i for i in range(len(rows)) if i not in broken]
         if not good:
             instead = "the training split's first readable image" if self.fallback else "a black image"
             logger.warning("No image of a training batch of %d is readable: each trains as %s", len(rows), instead)
@@ -434,7 +435,7 @@ class DecodingCollator:
 
 def first_readable(split, image_column: str, shape: tuple[int, int], white: float) -> tuple | None:
     """(pixels, row) of the first of a split's first 64 images that decodes (a stream: this rank's part), else None."""
-    for row in itertools.islice(split.part if is_stream(split) else split, 64):
+    for row in split.head(64) if is_stream(split) else itertools.islice(split, 64):  # a stream: as the probe reads
         try:
             array, _ = decode_to_chw(row[image_column], *shape, white)
         except Exception:  # unreadable: the next one
