@@ -109,7 +109,8 @@ def test_a_rank_whose_part_is_empty_ends_its_stream_instead_of_repeating_nothing
     assert list(stream) == [] and passes == [0]
 
 
-def test_two_ranks_read_disjoint_parts_and_a_stateful_loader_resumes_exactly(shards):
+@pytest.mark.parametrize("workers", [2, 5])  # 5: workers beyond rank 0's 2 shards share them by rows
+def test_two_ranks_read_disjoint_parts_and_a_stateful_loader_resumes_exactly(shards, workers):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     parts = [stream_of(shards, rank, 2) for rank in (0, 1)]
@@ -118,12 +119,18 @@ def test_two_ranks_read_disjoint_parts_and_a_stateful_loader_resumes_exactly(sha
     sizes = [sum(1 for _ in p.part) for p in parts]
     assert sum(sizes) == sum(SHARDS) and sizes[0] != sizes[1]  # unequal parts: the repetition keeps both going
 
+    def collate(rows):  # each batch's rows and the worker that read them
+        return [r["n"] for r in rows], torch.utils.data.get_worker_info().id
+
     def loader(stream):
-        return StatefulDataLoader(stream, batch_size=4, num_workers=2, collate_fn=lambda rows: [r["n"] for r in rows])
+        return StatefulDataLoader(stream, batch_size=4, num_workers=workers, collate_fn=collate)
 
     straight = loader(stream_of(shards, 0, 2))
     batches = iter(straight)
     expected = [next(batches) for _ in range(30)]  # several passes over rank 0's part
+    assert [worker for _, worker in expected[:workers]] == list(range(workers))  # every worker reads
+    first = sum((rows for rows, _ in expected[:workers]), [])
+    assert len(set(first)) == len(first)
     interrupted = loader(stream_of(shards, 0, 2))
     batches = iter(interrupted)
     done = [next(batches) for _ in range(13)]
@@ -149,7 +156,7 @@ def test_streaming_refuses_what_a_stream_cannot_do(tmp_path):
 def test_two_processes_stream_unequal_shards_without_a_hang_and_resume_to_the_same_weights(shards, tmp_path):
     """DDP over gloo, 2 ranks: 12 steps straight, against 6 steps then the same command to 12 (it resumes from the
     step-6 checkpoint and its saved stream positions). No shuffle buffer: the resumed run must see the same images,
-    so its weights equal the straight run's."""
+    so its weights equal the straight run's. 5 workers over each rank's 4 shards: two of them share one by rows."""
     model = save_tiny_vit(tmp_path / "model", num_labels=CLASSES)
 
     def command(out: Path, steps: int) -> list[str]:
@@ -160,7 +167,7 @@ def test_two_processes_stream_unequal_shards_without_a_hang_and_resume_to_the_sa
             "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", "6", "--eval_strategy", "no",
             "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
             "--crop_scale_min", "1", "--hflip_prob", "0", "--use_cpu", "true", "--report_to", "none",
-            "--plots", "false", "--logging_steps", "1", "--seed", "7", "--dataloader_num_workers", "2",
+            "--plots", "false", "--logging_steps", "1", "--seed", "7", "--dataloader_num_workers", "5",
         ]  # fmt: skip
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -267,16 +274,30 @@ def test_a_stream_resumed_on_another_process_count_starts_over_and_says_so(shard
     assert "holds no stream position for 1 process(es): the stream starts over" in caplog.text
 
 
-def test_a_rank_decodes_with_the_workers_asked_for_in_threads_where_its_shards_are_fewer(shards, tmp_path, capsys):
-    """Rank 0 of 2 reads 2 of the 4 files: 2 DataLoader workers (one more would read nothing), each decoding its
-    batches in 2 threads, so the 4 decoders asked for decode; one line says so."""
-    trainer = stream_trainer(stream_of(shards, rank=0, world=2), tmp_path, 4, [], workers=4)
-    loader = trainer.get_train_dataloader()
-    assert loader.num_workers == 2 and loader.collate_fn.threads == 2
-    assert trainer.data_collator.threads == 1  # the trainer's own (evaluation's source) is unchanged
+@pytest.mark.parametrize("total, ranks, workers", [(1, 1, 4), (4, 2, 5), (3, 2, 4)])  # by shards; by rows (3 % 2)
+def test_workers_beyond_a_ranks_shards_share_them_and_read_each_image_once(total, ranks, workers):
+    """Where a rank has fewer shards than workers, the workers of a shard split its rows: over every rank and worker,
+    each image is read once."""
+    split = datasets.Dataset.from_dict({"n": list(range(60))}).to_iterable_dataset(num_shards=total)
+    seen = []
+    for rank in range(ranks):
+        stream = RankStream(split, rank, ranks, seed=0, buffer=0)
+        assert stream.part.num_shards < workers
+        for worker in range(workers):
+            part = [batch["n"] for batch in stream.worker_part(worker, workers).iter(batch_size=7)]
+            assert part, f"rank {rank} worker {worker} reads nothing"
+            seen += sum(part, [])
+    assert sorted(seen) == list(range(60))
+
+
+def test_a_rank_runs_the_workers_asked_for_where_its_shards_are_fewer(shards, tmp_path, capsys):
+    """Rank 0 of 2 reads 2 of the 4 files: the 4 workers asked for all decode, 2 on each file; one line says so."""
+    loader = stream_trainer(stream_of(shards, rank=0, world=2), tmp_path, 4, [], workers=4).get_train_dataloader()
+    assert loader.num_workers == 4
     assert (
-        "--streaming: 4 image decoder(s) per rank (--dataloader_num_workers 4): 2 DataLoader worker(s) over the 2 "
-        "shard(s) of rank 0, 2 decoding thread(s) each" in capsys.readouterr().out
+        "--streaming: 4 image decoder(s) per rank: 4 DataLoader worker(s) (--dataloader_num_workers) over the 2 "
+        "shard(s) of rank 0, up to 2 workers share a shard, each decoding its share of the shard's rows"
+        in capsys.readouterr().out
     )
 
 
@@ -289,39 +310,12 @@ def test_a_file_of_row_groups_streams_as_one_shard_per_row_group(shards, tmp_pat
     one_file.mkdir()
     shutil.copy(shards / "data" / "train-00000-of-00004.parquet", one_file / "train.parquet")
     shutil.copy(shards / "data" / "validation-00000-of-00001.parquet", one_file / "validation.parquet")
-    loader = stream_trainer(stream_splits(one_file).train, tmp_path, 4, [], workers=4).get_train_dataloader()
-    assert loader.num_workers == 4 and loader.collate_fn.threads == 1  # one file, 4 workers: one per row group
+    trainer = stream_trainer(stream_splits(one_file).train, tmp_path, 4, [], workers=4)
+    assert trainer.train_dataset.num_shards == 5 and trainer.get_train_dataloader().num_workers == 4  # own shards
     two = [load_stream_splits(data_args(shards), SimpleNamespace(process_index=r, world_size=2, seed=0, do_eval=True))
            for r in (0, 1)]  # fmt: skip
     seen = [[row["image"]["bytes"] for row in split.train.part] for split in two]
     assert len(seen[0]) + len(seen[1]) == sum(SHARDS) and not set(seen[0]) & set(seen[1])  # disjoint, whole
-
-
-def test_the_decode_threads_decode_a_batch_as_one_thread_does(shards, monkeypatch):
-    import threading
-    import time
-
-    from vit_recipes import decoding
-
-    rows = list(stream_splits(shards).train.part.take(8))
-    one = decoding.DecodingCollator((24, 24), None, "image")
-    four = one.with_threads(4)
-    threads, real = set(), decoding.decode_to_chw
-
-    def slow(*args):  # long enough for the pool's threads to overlap
-        threads.add(threading.get_ident())
-        time.sleep(0.05)
-        return real(*args)
-
-    monkeypatch.setattr(decoding, "decode_to_chw", slow)
-    threaded = four(rows)
-    assert len(threads) == 4 and one.threads == 1
-    threads.clear()
-    plain = one(rows)
-    assert len(threads) == 1
-    assert torch.equal(threaded["pixel_values"], plain["pixel_values"]) and torch.equal(
-        threaded["labels"], plain["labels"]
-    )
 
 
 def test_a_stream_resumed_with_other_dataloader_workers_starts_over_and_says_so(shards, tmp_path, caplog):

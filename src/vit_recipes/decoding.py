@@ -8,7 +8,6 @@ Two paths, chosen per dataset (`choose_decoding`, said in one log line):
   the copy would cost minutes before the first step and its size again on disk; the workers keep pace with the GPU.
 """
 
-import copy
 import errno
 import hashlib
 import itertools
@@ -18,7 +17,6 @@ import os
 import shutil
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -334,19 +332,6 @@ class DecodingCollator:
         self.shape, self.white, self.image_column, self.record = shape, white, image_column, record
         self.split, self.evaluating, self.fallback = split, evaluating, fallback  # fallback: (pixels, row)
         self._recorded: set[tuple] = set()  # this worker's recorded images: a later epoch meets them again
-        self.threads = 1  # decoding threads per batch (with_threads); the pool is made in the process that decodes
-        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (its process id, the pool)
-
-    def with_threads(self, threads: int) -> "DecodingCollator":
-        """This collator decoding each batch in `threads` threads: a stream of fewer shards than DataLoader workers
-        asked for (streaming.decoders) decodes in as many places as a folder would. PIL releases the GIL while it
-        decodes and resizes, so threads of one worker process scale as processes do."""
-        threaded = copy.copy(self)
-        threaded.threads, threaded._pool = threads, None
-        return threaded
-
-    def __getstate__(self) -> dict:  # a pool's threads do not cross into a spawned worker: it makes its own
-        return {**self.__dict__, "_pool": None}
 
     def _decode(self, value):
         """decode_to_chw's (array, done), or the exception it raised."""
@@ -355,13 +340,6 @@ class DecodingCollator:
         except Exception as err:  # corrupt/truncated/missing: replaced or left out by __call__, and reported
             return err
 
-    def _decoded(self, values: list) -> list:
-        if self.threads <= 1 or len(values) <= 1:
-            return [self._decode(value) for value in values]
-        if self._pool is None or self._pool[0] != os.getpid():  # forked workers inherit no running threads
-            self._pool = (os.getpid(), ThreadPoolExecutor(self.threads, thread_name_prefix="decode"))
-        return list(self._pool[1].map(self._decode, values))
-
     def for_evaluation(self, split: str | None) -> "DecodingCollator":
         """This collator for an evaluation or prediction loader of `split` (None: this collator's own)."""
         return DecodingCollator(self.shape, self.white, self.image_column, self.record, split or self.split, True)
@@ -369,7 +347,7 @@ class DecodingCollator:
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         pixels = torch.empty((len(rows), 3, *self.shape), dtype=torch.uint8)
         bad, met = [], []
-        for i, decoded in enumerate(self._decoded([row[self.image_column] for row in rows])):
+        for i, decoded in enumerate(self._decode(row[self.image_column]) for row in rows):
             if isinstance(decoded, Exception):
                 bad.append(i)
                 met.append((i, problem_of(decoded)))

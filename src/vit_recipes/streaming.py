@@ -2,7 +2,9 @@
 parquet/arrow/WebDataset shards or image folders); validation and test stay map-style (small, and scored whole).
 
 - Each rank reads its own part (`split_dataset_by_node`: whole shards when their count divides by the ranks, else
-  every rank reads all and keeps its share), and the DataLoader workers split that part by shard.
+  every rank reads all and keeps its share), and the DataLoader workers split that part by shard; where the part has
+  fewer shards than workers, the workers of one shard split its rows (RankStream.worker_part), so a stream of few files
+  decodes in as many processes as a folder does.
 - The stream repeats: each rank starts its next epoch (a reshuffled shard order and buffer) where its data ends, so
   ranks with unequal shards never wait at an epoch end that only some of them reached. The run is counted in steps.
 - Its position is the DataLoader's state (torchdata's StatefulDataLoader asks each worker's dataset for it), saved
@@ -112,6 +114,7 @@ class RankStream(torch.utils.data.IterableDataset):
     def __init__(self, stream: datasets.IterableDataset, rank: int, world_size: int, seed: int, buffer: int,
                  rows: int | None = None):  # fmt: skip
         super().__init__()
+        self.stream = stream  # the whole split: worker_part takes a shard of it
         self.part = split_dataset_by_node(stream, rank=rank, world_size=world_size)
         self.rank, self.world_size, self.seed, self.buffer = rank, world_size, seed, buffer
         self.rows = rows  # images in the whole stream, where its metadata says (else None)
@@ -130,10 +133,33 @@ class RankStream(torch.utils.data.IterableDataset):
         with naming_failed_shards():  # a probe's failing shard named too
             return list(itertools.islice(self.part, n))
 
+    def worker_part(self, worker: int, workers: int) -> datasets.IterableDataset:
+        """What DataLoader worker `worker` of `workers` reads where this rank's part has fewer shards than workers:
+        shard worker % shards of the part, every m-th of its rows, m being the number of workers given that shard
+        (the others read the rest). Every image of the part is read by exactly one (rank, worker), as datasets' own
+        split gives each worker whole shards. Each of a shard's m workers reads all its rows and decodes only its own:
+        reading bytes costs little next to decoding them. (datasets gives a worker whole shards only: the workers
+        beyond the shard count would read nothing, and a file of one row group would decode in one process.)"""
+        shards = self.part.num_shards
+        shard, share, m = worker % shards, worker // shards, len(range(worker % shards, workers, shards))
+        total = self.stream.num_shards
+        if total % self.world_size == 0:  # split_dataset_by_node gave this rank whole shards: one of them, by rows
+            mine = self.stream.shard(self.world_size, self.rank, contiguous=False)
+            return split_dataset_by_node(mine.shard(shards, shard, contiguous=False), rank=share, world_size=m)
+        # every rank reads every shard and keeps every world_size-th row: that shard's rows split between
+        # world_size x m (rank, worker) pairs
+        one = self.stream.shard(total, shard, contiguous=False)
+        return split_dataset_by_node(one, rank=self.rank * m + share, world_size=self.world_size * m)
+
     def _rows(self):
         skip, self._skip = self._skip, 0
+        worker = torch.utils.data.get_worker_info()
+        shared = worker is not None and worker.num_workers > self.part.num_shards > 0
+        part = self.worker_part(worker.id, worker.num_workers) if shared else self.part
         while True:
-            stream = self.part.shuffle(seed=self.seed + self.epoch, buffer_size=max(1, self.buffer))
+            stream = part.shuffle(seed=self.seed + self.epoch, buffer_size=max(1, self.buffer))
+            if shared:  # iter(): datasets would split it between the workers again (one shard: to worker 0 alone)
+                stream = (dict(zip(b, r)) for b in stream.iter(batch_size=64) for r in zip(*b.values()))
             self.position = 0
             for row in stream:
                 self.position += 1
@@ -190,12 +216,11 @@ def plan_stream_steps(training, rows: int | None, global_batch: int) -> None:
 
 
 def decoders(asked: int, shards: int) -> dict[str, int]:
-    """How a rank's stream is decoded by `asked` decoders (--dataloader_num_workers): a DataLoader worker per shard
-    at most (datasets gives each worker whole shards: one more would read nothing), and where the shards are fewer
-    than `asked` each worker decodes its batches in `threads` threads (PIL releases the GIL while it decodes and
-    resizes), so that a stream of few files decodes as fast as a folder."""
-    workers = min(asked, shards)
-    return {"workers": workers, "threads": -(-asked // workers) if workers else 1}
+    """How a rank's stream is read by the `asked` DataLoader workers (--dataloader_num_workers) over its `shards`:
+    all of them (none where the rank has no shard), and `sharing` workers at most read each shard, each decoding its
+    share of the rows (RankStream.worker_part); 1 where every worker has whole shards of its own."""
+    workers = asked if shards else 0
+    return {"workers": workers, "sharing": -(-workers // shards) if shards else 1}
 
 
 class StreamedBatches:
@@ -219,23 +244,22 @@ class StreamedBatches:
         from torchdata.stateful_dataloader import StatefulDataLoader  # imported by streamed runs only
 
         t = self.args
-        layout = decoders(t.dataloader_num_workers, self.train_dataset.num_shards)
-        workers, threads = layout["workers"], layout["threads"]
+        shards = self.train_dataset.num_shards
+        layout = decoders(t.dataloader_num_workers, shards)
+        workers, sharing = layout["workers"], layout["sharing"]
         if t.process_index == 0:  # a fact of the run, printed as decoding.say prints the others
+            how = (f"up to {sharing} workers share a shard, each decoding its share of the shard's rows"
+                   if sharing > 1 else "each with whole shards of its own")  # fmt: skip
             print(
-                f"--streaming: {max(1, workers * threads)} image decoder(s) per rank (--dataloader_num_workers "
-                f"{t.dataloader_num_workers}): {workers} DataLoader worker(s) over the {self.train_dataset.num_shards} "
-                f"shard(s) of rank 0, {threads} decoding thread(s) each", flush=True,
+                f"--streaming: {max(1, workers)} image decoder(s) per rank: {workers} DataLoader worker(s) "
+                f"(--dataloader_num_workers) over the {shards} shard(s) of rank 0, {how}", flush=True,
             )  # fmt: skip
-        collator = self.data_collator
-        if threads > 1 and hasattr(collator, "with_threads"):  # decoding per batch (decoding.DecodingCollator)
-            collator = collator.with_threads(threads)
         loader = StatefulDataLoader(
-            self.train_dataset, batch_size=self._train_batch_size, collate_fn=collator, num_workers=workers,
+            self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator, num_workers=workers,
             pin_memory=t.dataloader_pin_memory, drop_last=True, prefetch_factor=t.dataloader_prefetch_factor if workers else None,
             worker_init_fn=worker_setup() if workers else None,
         )  # fmt: skip
-        self._stream_layout = {"shards": self.train_dataset.num_shards, "workers": workers}
+        self._stream_layout = {"shards": shards, "workers": workers}
         if (
             self._stream_state is not None
             and self._stream_state.get("layout", self._stream_layout) != self._stream_layout
