@@ -290,6 +290,41 @@ def test_workers_beyond_a_ranks_shards_share_them_and_read_each_image_once(total
     assert sorted(seen) == list(range(60))
 
 
+def test_one_webdataset_tar_is_read_by_every_worker_asked_for(tmp_path):
+    """A WebDataset .tar is one shard (datasets cannot split it): its 3 workers share its rows, each image once."""
+    import tarfile
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    for split, n in (("train", 40), ("validation", 8)):
+        with tarfile.open(tmp_path / f"{split}.tar", "w") as tar:
+            for i in range(n):
+                for ext, data in (("jpg", jpeg(np.full((8, 8, 3), i, np.uint8))), ("cls", str(i % CLASSES).encode())):
+                    info = tarfile.TarInfo(f"{i:05d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    train = stream_splits(tmp_path, image_column_name="jpg", label_column_name="cls").train
+    assert train.num_shards == 1
+
+    def collate(rows):
+        return [r["jpg"]["bytes"] for r in rows], torch.utils.data.get_worker_info().id
+
+    batches = iter(StatefulDataLoader(train, batch_size=4, num_workers=3, collate_fn=collate))
+    read = [next(batches) for _ in range(9)]  # 3 of each worker's: less than its share of the 40
+    assert [worker for _, worker in read] == [0, 1, 2] * 3
+    images = sum((rows for rows, _ in read), [])
+    assert len(set(images)) == len(images) == 36
+
+
+def test_a_workers_share_of_a_shard_is_taken_in_arrow_before_any_row_becomes_python(shards):
+    """The labels are encoded in Arrow, so a sharing worker's stream stays Arrow up to its row selection: the rows
+    it leaves to the other workers are never converted (a Python step would convert the whole shard in each)."""
+    part = stream_splits(shards).train.worker_part(1, 16)
+    assert part._ex_iterable.iter_arrow is not None  # datasets' StepExamplesIterable then takes rows in Arrow
+    rows = [row for batch in part.iter(batch_size=4) for row in zip(*batch.values())]
+    assert rows and all(isinstance(label, int) for _, label in rows)
+
+
 def test_a_rank_runs_the_workers_asked_for_where_its_shards_are_fewer(shards, tmp_path, capsys):
     """Rank 0 of 2 reads 2 of the 4 files: the 4 workers asked for all decode, 2 on each file; one line says so."""
     loader = stream_trainer(stream_of(shards, rank=0, world=2), tmp_path, 4, [], workers=4).get_train_dataloader()

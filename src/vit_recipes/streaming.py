@@ -428,19 +428,25 @@ def load_stream_splits(data_args, training, cache_dir: str | None = None):
             "labels that the validation split lists"
         )
 
-    def encode(row):
-        value = row[label_column]
-        if value is None:  # a shard without the column (a Hub one, not checked up front) streams None
+    def encode(table: pa.Table) -> pa.Table:
+        """A batch's labels as class indices, in Arrow: a stream's rows left to other workers (RankStream.worker_part)
+        are then skipped in Arrow too, never made Python objects."""
+        values = table[label_column]
+        if values.null_count:  # a shard without the column (a Hub one, not checked up front) streams None
             raise StreamError(
                 f"--streaming: an image has no label: its shard has no '{label_column}' column, or the row leaves it "
                 "empty; give every image a label, or remove the shards without one"
             )
-        if lookup is not None and value not in lookup:
-            raise StreamError(
-                f"--streaming: training label {value!r} is not among the validation split's labels ({names[:5]}...): "
-                "give the validation split every class, or store the labels as a ClassLabel feature"
-            )
-        return {LABELS: value if lookup is None else lookup[value]}
+        if lookup is not None:
+            found = values.to_pylist()
+            if unknown := [v for v in found if v not in lookup]:  # a list: a label may be 0 or ""
+                raise StreamError(
+                    f"--streaming: training label {unknown[0]!r} is not among the validation split's labels "
+                    f"({names[:5]}...): give the validation split every class, or store the labels as a ClassLabel "
+                    "feature"
+                )
+            values = pa.array([lookup[v] for v in found], pa.int64())
+        return table.drop_columns([label_column]).append_column(LABELS, values)
 
     for name, split in evaluated.items():
         theirs = split.features.get(label_column)
@@ -451,7 +457,7 @@ def load_stream_splits(data_args, training, cache_dir: str | None = None):
         split = split.select_columns([image_column, label_column]).cast_column(
             image_column, datasets.Image(decode=False)
         )
-        return split.map(encode, remove_columns=[label_column] if label_column != LABELS else [])
+        return split.with_format("arrow").map(encode, batched=True).with_format(None)
 
     if len(names) < 2:
         raise RecipeError(f"label column '{label_column}' has {len(names)} class(es); classification needs at least 2")
