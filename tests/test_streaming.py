@@ -353,6 +353,20 @@ def test_a_file_of_row_groups_streams_as_one_shard_per_row_group(shards, tmp_pat
     assert len(seen[0]) + len(seen[1]) == sum(SHARDS) and not set(seen[0]) & set(seen[1])  # disjoint, whole
 
 
+def test_a_streams_batches_reach_the_device_without_blocking_the_host(shards, tmp_path, monkeypatch):
+    """The stream's loader is ours, not accelerate's: its batches are copied as accelerate copies the folder path's
+    (non_blocking), not by the Trainer's blocking .to(), which would wait for the GPU once per step."""
+    trainer = stream_trainer(stream_of(shards), tmp_path, 1, [])
+    trainer.get_train_dataloader()
+    trainer.args.accelerator_config.non_blocking = True  # the recipe's default (arguments.py) on a GPU
+    copies, to = [], torch.Tensor.to
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda t, *a, **kw: copies.append(kw.get("non_blocking")) or to(t, *a, **kw)
+    )
+    trainer._prepare_inputs({"pixel_values": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "labels": torch.zeros(2)})
+    assert copies == [True, None]  # the uint8 pixels without blocking; a float tensor as the Trainer moves it
+
+
 def test_a_stream_resumed_with_other_dataloader_workers_starts_over_and_says_so(shards, tmp_path, caplog):
     """Which worker reads which shards depends on the worker count: positions saved by another count would name
     other images. The resumed run starts the stream over, as on another process count, and says why."""

@@ -276,6 +276,17 @@ class StreamedBatches:
         self._stream_loader = loader
         return loader
 
+    def _prepare_input(self, data):
+        # A stream's batches come from the loader above, not accelerate's (which copies to the device without
+        # blocking where accelerator_config.non_blocking): the Trainer's plain .to() would make the host wait for
+        # the GPU's queue to drain at every step. Pinned memory (the loader's) is kept until its copy completes.
+        if (
+            isinstance(data, torch.Tensor) and data.device.type == "cpu" and self._stream_loader is not None
+            and self.args.accelerator_config.non_blocking and not torch.is_floating_point(data)
+        ):  # fmt: skip
+            return data.to(self.args.device, non_blocking=True)
+        return super()._prepare_input(data)
+
     def train(self, resume_from_checkpoint=None, **kwargs):
         if not (is_stream(self.train_dataset) and resume_from_checkpoint):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
