@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.redraw and not args.out:
         parser.error("--redraw needs --out")
+    if unknown := [name for name in filter(None, args.only.split(",")) if name not in {Run(*e).name for e in PLAN}]:
+        parser.error(f"--only: no run named {', '.join(unknown)}; the runs: {', '.join(Run(*e).name for e in PLAN)}")
     out = Path(args.out or common.record_folder("wall_clock", 1, device_description(gpu_info())))
     if args.redraw:
         record = json.loads((out / "wall_clock.json").read_text())

@@ -793,6 +793,14 @@ def test_benchmark_modules_import_no_probe_and_form_no_circle():
     assert not [edge for edge in edges if edge[0] == "common"]  # common imports nothing of benchmarks/
 
 
+def test_wall_clock_refuses_a_run_name_it_does_not_plan(capsys):
+    from benchmarks import wall_clock
+
+    with pytest.raises(SystemExit):
+        wall_clock.main(["--only", "photos200-ours-cold,stream1-ours-warm"])
+    assert "--only: no run named stream1-ours-warm; the runs: " in capsys.readouterr().err
+
+
 def test_wall_clock_streams_the_photos_as_parquet_files_of_few_row_groups(tmp_path):
     """wall_clock's stream jobs: the photos folder written again as parquet files of image bytes (train in 8 or 1
     files, of one row group or 100-row groups), typed as datasets' Image and ClassLabel, streamed by our recipe."""

@@ -353,6 +353,23 @@ def test_a_file_of_row_groups_streams_as_one_shard_per_row_group(shards, tmp_pat
     assert len(seen[0]) + len(seen[1]) == sum(SHARDS) and not set(seen[0]) & set(seen[1])  # disjoint, whole
 
 
+def test_workers_holding_over_half_the_memory_in_row_groups_are_one_warning(shards, tmp_path, monkeypatch, caplog):
+    """Each worker holds the row group it reads: where all of them would hold over half this machine's memory (a
+    file of one large row group, read whole by every worker sharing it), one line says so and what to do."""
+    from vit_recipes import streaming
+
+    stream = stream_splits(shards).train
+    biggest, file = stream.largest_row_group
+    assert file.endswith("train-00002-of-00004.parquet")  # 24 images in one row group: the largest
+    monkeypatch.setattr(streaming.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * biggest))
+    with caplog.at_level(logging.WARNING, "vit_recipes.streaming"):
+        stream_trainer(stream, tmp_path, 4, [], workers=2).get_train_dataloader()  # 6 x biggest: under half of 16
+        assert not caplog.text
+        stream_trainer(stream, tmp_path, 4, [], workers=4).get_train_dataloader()  # 12 x biggest: over
+    assert "--streaming: 4 DataLoader worker(s) each hold a row group of up to" in caplog.text
+    assert "write the parquet files in smaller row groups" in caplog.text
+
+
 def test_a_streams_batches_reach_the_device_without_blocking_the_host(shards, tmp_path, monkeypatch):
     """The stream's loader is ours, not accelerate's: its batches are copied as accelerate copies the folder path's
     (non_blocking), not by the Trainer's blocking .to(), which would wait for the GPU once per step."""

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 import datasets
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -119,6 +120,7 @@ class RankStream(torch.utils.data.IterableDataset):
         self.rank, self.world_size, self.seed, self.buffer = rank, world_size, seed, buffer
         self.rows = rows  # images in the whole stream, where its metadata says (else None)
         self.epoch, self.position, self._skip = 0, 0, 0
+        self.largest_row_group: tuple[int, str] | None = None  # (bytes, file): what a worker holds as it reads
 
     @property
     def num_shards(self) -> int:
@@ -223,6 +225,24 @@ def decoders(asked: int, shards: int) -> dict[str, int]:
     return {"workers": workers, "sharing": -(-workers // shards) if shards else 1}
 
 
+ROW_GROUP_COPIES = 3  # a worker reading a parquet row group holds ~3x its bytes (pyarrow's read, the Arrow batch)
+
+
+def warn_of_row_group_memory(largest: tuple[int, str] | None, workers: int) -> None:
+    """One line where the workers reading at once would hold over half this machine's memory: a file of one large row
+    group (a pandas/pyarrow default) is read whole by each worker that shares it."""
+    if not largest:
+        return
+    held, total = ROW_GROUP_COPIES * largest[0] * max(1, workers), psutil.virtual_memory().total
+    if held > total / 2:
+        logger.warning(
+            "--streaming: %d DataLoader worker(s) each hold a row group of up to %.1f GiB as they read (%s; ~%dx in "
+            "memory: %.0f GiB in all, of this machine's %.0f GiB): write the parquet files in smaller row groups "
+            "(datasets writes images 100 rows a group) or pass fewer --dataloader_num_workers", max(1, workers),
+            largest[0] / 2**30, largest[1], ROW_GROUP_COPIES, held / 2**30, total / 2**30,
+        )  # fmt: skip
+
+
 class StreamedBatches:
     """Mixin for `transformers.Trainer`: a streamed train split (RankStream) is read by a torchdata StatefulDataLoader
     that this rank owns, and its position is saved in every checkpoint and restored on resume.
@@ -254,6 +274,7 @@ class StreamedBatches:
                 f"--streaming: {max(1, workers)} image decoder(s) per rank: {workers} DataLoader worker(s) "
                 f"(--dataloader_num_workers) over the {shards} shard(s) of rank 0, {how}", flush=True,
             )  # fmt: skip
+        warn_of_row_group_memory(self.train_dataset.largest_row_group, workers)
         loader = StatefulDataLoader(
             self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator, num_workers=workers,
             pin_memory=t.dataloader_pin_memory, drop_last=True, prefetch_factor=t.dataloader_prefetch_factor if workers else None,
@@ -334,6 +355,14 @@ def shard_columns(file: str) -> list[str]:
             f"--streaming: shard {file} cannot be read ({first_line(err)}): it is cut short or damaged; copy or "
             "export it again, or move it out of the dataset folder"
         ) from None
+
+
+def largest_row_group(files) -> tuple[int, str] | None:
+    """The bytes of the largest row group among local parquet shards, and its file (footers only): what one
+    DataLoader worker holds as it reads, whole (None where no shard is a local parquet file)."""
+    sizes = [(meta.row_group(i).total_byte_size, file) for file in files if file.endswith(".parquet")
+             for meta in [pq.ParquetFile(file).metadata] for i in range(meta.num_row_groups)]  # fmt: skip
+    return max(sizes, default=None)
 
 
 def _shard_files(path: Path) -> list[str]:
@@ -476,6 +505,7 @@ def load_stream_splits(data_args, training, cache_dir: str | None = None):
     rows = rows.num_examples if rows is not None and rows.num_examples else None
     stream = RankStream(prepared(train), training.process_index, training.world_size, training.seed,
                         data_args.shuffle_buffer_size, rows)  # fmt: skip
+    stream.largest_row_group = largest_row_group(shards)
     val, test = (prepared(evaluated[n]) if n else None for n in (val_name, test_name))
     notes = [f"train: streamed ({stream.part.num_shards} shard(s) on this rank of {training.world_size})"]
     if data_args.max_eval_samples:
