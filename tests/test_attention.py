@@ -2,6 +2,8 @@
 own SDPA for every family that looks its attention up in transformers' AttentionInterface, without taking
 transformers' function; checkpoints trained with it load in plain transformers."""
 
+import copy
+
 import pytest
 import torch
 from conftest import model_args, tiny_vit_config
@@ -42,10 +44,11 @@ def logits_and_grads(model, pixels, labels, dtype):
 def test_sdpa_direct_gives_transformers_sdpa_logits_and_gradients(family, dtype, monkeypatch):
     config = tiny_config(family)
     torch.manual_seed(0)
-    reference = classifier_class(config)._from_config(config, attn_implementation="sdpa")
-    direct = classifier_class(config)._from_config(config, attn_implementation=attention.NAME)
+    # A config each: a model keeps the config object it was built from, and its attention is a field of it.
+    reference = classifier_class(config)._from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    direct = classifier_class(config)._from_config(copy.deepcopy(config), attn_implementation=attention.NAME)
     direct.load_state_dict(reference.state_dict())
-    assert direct.config._attn_implementation == attention.NAME
+    assert (reference.config._attn_implementation, direct.config._attn_implementation) == ("sdpa", attention.NAME)
     pixels, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 1])
     expected, expected_grads = logits_and_grads(reference, pixels, labels, dtype)
 
