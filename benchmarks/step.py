@@ -65,15 +65,19 @@ class Variant:
     core: bool = True  # core variants run before the recipe, the others after it
 
 
-VARIANTS = [
+VARIANTS = [  # the order they run in: core variants, then the recipe runs, then the others
     Variant("hf-eager", "HF ViT, eager, autocast (the recipe's short runs)", "hf", "eager", True),
     Variant("hf-regions", "HF ViT, regional compile, autocast (the recipe's long runs)", "hf", "regions", True),
     Variant("direct-regions", "sdpa_direct, regional compile, autocast", "hf", "regions", True, "sdpa_direct"),
     Variant("direct-eager", "sdpa_direct, eager, autocast", "hf", "eager", True, "sdpa_direct"),
     Variant(
-        "fused-whole-bf16", "one qkv Linear, whole-model compile, bf16 weights (ceiling)", "fused", "whole", False
-    ),
-    Variant("direct-eager-bf16", "sdpa_direct, eager, bf16 weights", "hf", "eager", False, "sdpa_direct", False),
+        "fused-whole-bf16",
+        "one qkv Linear, whole-model compile, bf16 weights (ceiling)",
+        "fused",
+        "whole",
+        False,
+        core=False,
+    ),  # fmt: skip
     Variant(
         "direct-regions-bf16",
         "sdpa_direct, regional compile, bf16 weights",
@@ -83,6 +87,7 @@ VARIANTS = [
         "sdpa_direct",
         False,
     ),  # fmt: skip
+    Variant("direct-eager-bf16", "sdpa_direct, eager, bf16 weights", "hf", "eager", False, "sdpa_direct", False),
     Variant(
         "timm-whole", "timm vit_base_patch16_224, whole-model compile, autocast", "timm", "whole", True, core=False
     ),
