@@ -70,29 +70,14 @@ VARIANTS = [  # the order they run in: core variants, then the recipe runs, then
     Variant("hf-regions", "HF ViT, regional compile, autocast (the recipe's long runs)", "hf", "regions", True),
     Variant("direct-regions", "sdpa_direct, regional compile, autocast", "hf", "regions", True, "sdpa_direct"),
     Variant("direct-eager", "sdpa_direct, eager, autocast", "hf", "eager", True, "sdpa_direct"),
-    Variant(
-        "fused-whole-bf16",
-        "one qkv Linear, whole-model compile, bf16 weights (ceiling)",
-        "fused",
-        "whole",
-        False,
-        core=False,
-    ),  # fmt: skip
-    Variant(
-        "direct-regions-bf16",
-        "sdpa_direct, regional compile, bf16 weights",
-        "hf",
-        "regions",
-        False,
-        "sdpa_direct",
-        False,
-    ),  # fmt: skip
+    Variant("fused-whole-bf16", "one qkv Linear, whole compile, bf16 weights (ceiling)", "fused", "whole", False,
+            core=False),
+    Variant("direct-regions-bf16", "sdpa_direct, regional compile, bf16 weights", "hf", "regions", False,
+            "sdpa_direct", False),
     Variant("direct-eager-bf16", "sdpa_direct, eager, bf16 weights", "hf", "eager", False, "sdpa_direct", False),
-    Variant(
-        "timm-whole", "timm vit_base_patch16_224, whole-model compile, autocast", "timm", "whole", True, core=False
-    ),
+    Variant("timm-whole", "timm vit_base_patch16_224, whole-model compile, autocast", "timm", "whole", True, core=False),
     Variant("hf-whole", "HF ViT, whole-model compile, autocast", "hf", "whole", True, core=False),
-]
+]  # fmt: skip
 BY_NAME = {v.name: v for v in VARIANTS}
 
 

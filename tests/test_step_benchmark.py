@@ -94,3 +94,35 @@ def test_the_list_runs_the_core_variants_then_the_recipe_then_the_rest(capsys):
     assert step.main(["--list", "--no-recipe", "--variants", "regions"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == ["hf-regions", "direct-regions", "direct-regions-bf16"]  # the recipe's left out
+
+
+def test_the_fused_qkv_ceiling_computes_what_transformers_vit_computes():
+    """The ceiling is the same model: transformers' weights copied into it give transformers' logits."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=32, num_labels=3)  # fmt: skip
+    torch.manual_seed(0)
+    hf, fused = ViTForImageClassification(config).eval(), step.fused_qkv_vit(config).eval()
+    linear, norm = torch.nn.Linear, torch.nn.LayerNorm
+    layers = [m for m in hf.modules() if type(m).__name__ == "ViTLayer"]
+    with torch.no_grad():
+        embeddings = hf.vit.embeddings
+        fused.embed.weight.copy_(embeddings.patch_embeddings.projection.weight.flatten(1))
+        fused.embed.bias.copy_(embeddings.patch_embeddings.projection.bias)
+        fused.cls.copy_(embeddings.cls_token)
+        fused.pos.copy_(embeddings.position_embeddings)
+        for layer, block in zip(layers, fused.blocks, strict=True):
+            q, k, v, o, fc1, fc2 = [m for m in layer.modules() if isinstance(m, linear)]  # registration order
+            block.norm1.load_state_dict(layer.layernorm_before.state_dict())
+            block.norm2.load_state_dict(layer.layernorm_after.state_dict())
+            block.qkv.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+            block.qkv.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+            for mine, theirs in ((block.proj, o), (block.fc1, fc1), (block.fc2, fc2)):
+                mine.load_state_dict(theirs.state_dict())
+        fused.norm.load_state_dict(hf.vit.layernorm.state_dict())
+        fused.head.load_state_dict(hf.classifier.state_dict())
+        assert isinstance(fused.norm, norm)
+        pixels = torch.randn(2, 3, 16, 16)
+        torch.testing.assert_close(fused(pixels), hf(pixel_values=pixels).logits, atol=1e-5, rtol=1e-4)
