@@ -1,7 +1,7 @@
 """The training step of the bare model, variant by variant, and the CIFAR recipe's step beside it, in one device call
 (issue 47: how far is the recipe's step from the best the model does, and what closes the gap).
 
-    python -m benchmarks.step --out OUT --budget 480      # one H200: the bare variants, then the recipe runs
+    python -m benchmarks.step --out OUT --budget 450      # one H200: core variants, recipe runs, the rest: what fits
     python -m benchmarks.step --out OUT --variants 'hf-|direct-' --no-recipe   # a subset (regex on the names)
     python -m benchmarks.step --list                      # the variants and recipe runs, in the order they run
     python -m benchmarks.step --tiny --out /tmp/step      # CPU smoke test: a 2-layer ViT, 32 px, batch 4, 2 steps
@@ -20,8 +20,9 @@ meter) through the one runner, `python -m benchmarks.run step --out OUT/recipe`,
 
 OUT (default benchmarks/results/<date>_step_1x<card>): step.json (every variant and recipe run, the device, library
 versions, command, commit), step.md (the table), step.png (the chart), logs/ (each variant's output), recipe/ (the
-runner's record). BENCH_STEP_FAIL=<variant> makes that variant's process fail at once (how the tests check that a
-failure is recorded, not fatal).
+runner's record), trace_<run>.md (tools/trace_analysis.py on the profiled recipe run). Exit status 0 once the
+record is written, whatever failed in it (the record says what). BENCH_STEP_FAIL=<variant> makes that variant fail
+at once (how the tests check that a failure is recorded, not fatal).
 """
 
 from __future__ import annotations
@@ -365,14 +366,19 @@ def run_recipe(names: list[str], folder: Path, budget: float | None) -> list[dic
     return rows
 
 
-def analyse_traces(folder: Path) -> list[str]:
-    """tools/trace_analysis.py on each profiled recipe run's trace: trace_<run>.md (and its charts) in the record."""
-    written = []
+def analyse_traces(folder: Path, seconds: float) -> list[str]:
+    """tools/trace_analysis.py on each profiled recipe run's trace, within `seconds`: trace_<run>.md (and its
+    charts) in the record."""
+    written, until = [], time.perf_counter() + seconds
     for trace in sorted((folder / "recipe" / "outputs").glob("*/profiler")):
+        if time.perf_counter() > until - 10:
+            break
         report = folder / f"trace_{trace.parent.name.replace('-', '_')}.md"
         argv = [sys.executable, "tools/trace_analysis.py", str(trace), "--out", str(report), "--no-hta"]
         try:
-            subprocess.run(argv, cwd=ROOT, env=common.run_env(), timeout=180, capture_output=True)
+            subprocess.run(
+                argv, cwd=ROOT, env=common.run_env(), timeout=until - time.perf_counter(), capture_output=True
+            )
         except subprocess.TimeoutExpired:
             continue
         if report.is_file():
@@ -447,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     if recipe:
         if left() is None or left() > MIN_RECIPE_S + ASSETS_S:
             record["recipe"] = run_recipe(recipe, folder, None if left() is None else left() - ASSETS_S)
-            record["traces"] = analyse_traces(folder)
+            record["traces"] = analyse_traces(folder, 180 if left() is None else min(180, left()))
         else:
             record["recipe"] = [{"name": f"recipe-{n}", "status": "skipped", "error": "time budget"} for n in recipe]
         write(record, folder)
