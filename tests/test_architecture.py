@@ -10,7 +10,7 @@ PACKAGE = ROOT / "src" / "vit_recipes"
 LAYERS = [
     {"metrics", "classifiers", "plots", "timeline", "swap", "lazy_deepspeed"},  # import nothing of the package
     {"errors", "strategies", "images", "transforms", "patch_embedding", "flops", "meter", "interrupt"}
-    | {"reports", "__init__"},
+    | {"reports", "attention", "__init__"},
     {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers", "figures", "folder_index"}
     | {"batches", "loss", "stopping"},
     {"data", "memory", "lora", "checkpoint_io"},

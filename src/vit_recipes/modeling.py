@@ -15,6 +15,7 @@ from transformers.models.auto import modeling_auto
 from transformers.utils import logging as hf_logging
 
 from .arguments import LoraArguments, ModelArguments
+from .attention import NAME as SDPA_DIRECT  # importing it registers it with transformers' AttentionInterface
 from .classifiers import classifier_class
 from .errors import RecipeError, first_line
 from .levers import add_drop_path
@@ -170,7 +171,8 @@ def runs_at(config: PretrainedConfig, size: int) -> bool:
 
 
 def attention_for(config: PretrainedConfig, asked: str) -> str | None:
-    """The attention implementation: 'auto' lets transformers pick (SDPA, else eager); 'sdpa' unsupported: one line."""
+    """The attention implementation: 'auto' lets transformers pick (SDPA, else eager); 'sdpa' or 'sdpa_direct'
+    (vit_recipes.attention: the same kernel, called directly) where the class has no SDPA: one line."""
     model_class = classifier_class(config)
     has_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
     if config.model_type == "timm_wrapper" and asked != "auto":  # transformers only warns that timm ignores it
@@ -178,7 +180,7 @@ def attention_for(config: PretrainedConfig, asked: str) -> str | None:
     if asked == "auto":
         logger.info("Attention: %s", "sdpa" if has_sdpa else f"eager ({model_class.__name__} has no SDPA kernel)")
         return None
-    if asked == "sdpa" and not has_sdpa:
+    if asked in ("sdpa", SDPA_DIRECT) and not has_sdpa:
         raise RecipeError(
             f"{model_class.__name__} has no SDPA attention: drop --attn_implementation (auto picks eager for it) or "
             "pass --attn_implementation eager"

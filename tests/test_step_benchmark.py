@@ -1,0 +1,128 @@
+"""benchmarks/step.py, the bare training step's variants and the recipe's step in one device call: its CPU smoke
+mode records every variant, a failing variant (in this process or in its own) is that variant's error and the suite
+goes on, the budget skips, and each recipe run is set against the bare variant it runs."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import step  # noqa: E402
+
+
+def read(folder: Path) -> dict:
+    return json.loads((folder / "step.json").read_text())
+
+
+def test_the_tiny_suite_records_each_variant_and_a_failing_one_as_its_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "abc1234")
+    monkeypatch.setenv(step.FAIL_ENV, "direct-eager")
+    chosen = "^(hf-eager|direct-eager|direct-regions-bf16)$"
+    assert step.main(["--tiny", "--in-process", "--out", str(tmp_path), "--variants", chosen]) == 0
+    record = read(tmp_path)
+    assert record["git_commit"] == "abc1234" and record["device"].startswith("CPU")
+    assert record["versions"]["torch"] and record["versions"]["transformers"]
+    assert record["command"].startswith("python -m benchmarks.step --tiny")
+    assert record["settings"]["batches"] == [4] and record["recipe"] == []
+    variants = {v["name"]: v for v in record["variants"]}
+    assert list(variants) == ["hf-eager", "direct-eager", "direct-regions-bf16"]  # the order of step.VARIANTS
+    for name in ("hf-eager", "direct-regions-bf16"):  # after the failure, the suite went on
+        (row,) = variants[name]["batches"]
+        assert variants[name]["status"] == "ok" and row["status"] == "ok"
+        assert row["images_per_second"] > 0 and row["step_ms"] > 0 and row["loss"] > 0 and row["mfu"] is None
+        assert variants[name]["flops_per_image"] > 0
+    failed = variants["direct-eager"]
+    assert failed["status"] == "error" and "BENCH_STEP_FAIL=direct-eager" in failed["error"]
+    assert failed["batches"] == [{"batch": 4, "status": "error", "error": failed["error"]}]
+    table = (tmp_path / "step.md").read_text()
+    assert "| `hf-eager`: HF ViT, eager, autocast" in table and "| `direct-eager`: " in table
+    assert 0 < (tmp_path / "step.png").stat().st_size <= 60 * 1024
+
+
+def test_a_variant_whose_process_fails_is_its_error_and_the_budget_skips(tmp_path, monkeypatch):
+    monkeypatch.setenv(step.FAIL_ENV, "hf-eager")  # its process raises before it imports torch
+    assert step.main(["--tiny", "--out", str(tmp_path), "--variants", "^hf-eager$"]) == 0
+    (variant,) = read(tmp_path)["variants"]
+    assert variant["status"] == "error" and variant["error"].startswith("RuntimeError: BENCH_STEP_FAIL=hf-eager")
+    assert (tmp_path / "logs" / "hf-eager.log").is_file()
+    assert step.main(["--tiny", "--out", str(tmp_path / "b"), "--variants", "^hf-", "--budget", "0"]) == 0
+    assert {v["status"] for v in read(tmp_path / "b")["variants"]} == {"skipped"}
+
+
+def test_the_recipe_runs_go_through_the_runner_and_are_set_against_their_bare_variant(tmp_path, monkeypatch):
+    commands = []
+
+    def fake_runner(argv, **kwargs):  # benchmarks/run.py's record of each run it was asked for
+        commands.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True)
+        metrics = {"train_images_per_second": 2700.0, "train_mfu": 0.29, "train_step_time_s": 0.0474}
+        (out / "b128-compiled.json").write_text(json.dumps({"status": "ok", "per_device_batch": 128,
+                                                            "metrics": metrics}))  # fmt: skip
+
+    monkeypatch.setattr(step.subprocess, "run", fake_runner)
+    rows = step.run_recipe(["b128-compiled", "b128-eager"], tmp_path, budget=300)
+    (argv,) = commands
+    assert argv[2:4] == ["benchmarks.run", "benchmarks/suites/step.yaml"]
+    assert argv[argv.index("--only") + 1] == "^(b128\\-compiled|b128\\-eager)$" and "300" in argv
+    assert rows[0]["images_per_second"] == 2700.0 and rows[0]["step_ms"] == 47.4
+    assert rows[1]["status"] == "failed" and rows[1]["error"] == "no record"
+    bare = [{"name": name, "batches": [{"batch": 128, "status": "ok", "images_per_second": ips}]}
+            for name, ips in (("hf-regions", 3000.0), ("fused-whole-bf16", 3600.0))]  # fmt: skip
+    record = {"variants": bare, "recipe": rows}
+    (line,) = step.compare(record)
+    assert rows[0]["of_bare"] == 0.9 and rows[0]["of_best_bare"] == 0.75
+    assert line == "- `recipe-b128-compiled`: 2,700 img/s, 90% of `hf-regions`, 75% of the best bare variant at " \
+                   "batch 128 (`fused-whole-bf16`)"  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "bare"), [("b128-compiled", "hf-regions"), ("b256-eager-direct", "direct-eager"),
+                                            ("b128-compiled-direct", "direct-regions")])  # fmt: skip
+def test_each_recipe_run_names_a_bare_variant_of_the_suite(name, bare):
+    assert step.bare_for(name) == bare and bare in step.BY_NAME
+    assert name in step.recipe_runs()
+
+
+def test_the_list_runs_the_core_variants_then_the_recipe_then_the_rest(capsys):
+    assert step.main(["--list"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names.index("direct-regions") < names.index("recipe-b128-compiled") < names.index("fused-whole-bf16")
+    assert step.main(["--list", "--no-recipe", "--variants", "regions"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["hf-regions", "direct-regions", "direct-regions-bf16"]  # the recipe's left out
+
+
+def test_the_fused_qkv_ceiling_computes_what_transformers_vit_computes():
+    """The ceiling is the same model: transformers' weights copied into it give transformers' logits."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=32, num_labels=3)  # fmt: skip
+    torch.manual_seed(0)
+    hf, fused = ViTForImageClassification(config).eval(), step.fused_qkv_vit(config).eval()
+    linear, norm = torch.nn.Linear, torch.nn.LayerNorm
+    layers = [m for m in hf.modules() if type(m).__name__ == "ViTLayer"]
+    with torch.no_grad():
+        embeddings = hf.vit.embeddings
+        fused.embed.weight.copy_(embeddings.patch_embeddings.projection.weight.flatten(1))
+        fused.embed.bias.copy_(embeddings.patch_embeddings.projection.bias)
+        fused.cls.copy_(embeddings.cls_token)
+        fused.pos.copy_(embeddings.position_embeddings)
+        for layer, block in zip(layers, fused.blocks, strict=True):
+            q, k, v, o, fc1, fc2 = [m for m in layer.modules() if isinstance(m, linear)]  # registration order
+            block.norm1.load_state_dict(layer.layernorm_before.state_dict())
+            block.norm2.load_state_dict(layer.layernorm_after.state_dict())
+            block.qkv.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+            block.qkv.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+            for mine, theirs in ((block.proj, o), (block.fc1, fc1), (block.fc2, fc2)):
+                mine.load_state_dict(theirs.state_dict())
+        fused.norm.load_state_dict(hf.vit.layernorm.state_dict())
+        fused.head.load_state_dict(hf.classifier.state_dict())
+        assert isinstance(fused.norm, norm)
+        pixels = torch.randn(2, 3, 16, 16)
+        torch.testing.assert_close(fused(pixels), hf(pixel_values=pixels).logits, atol=1e-5, rtol=1e-4)
