@@ -116,3 +116,22 @@ def test_sdpa_direct_on_a_class_without_sdpa_is_one_line():
     config = ConvNextConfig(depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 16, 16], image_size=32)
     with pytest.raises(RecipeError, match=r"^ConvNextForImageClassification has no SDPA attention: drop --attn_impl"):
         attention_for(config, "sdpa_direct")
+
+
+def test_the_compile_caches_key_tells_the_attention_apart(monkeypatch):
+    """Compiled artifacts of one attention are no warm cache for the other: the key (plan.compile_key) differs."""
+    from types import SimpleNamespace
+
+    from vit_recipes import plan
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")  # the key names the GPU it compiled for
+    training = SimpleNamespace(per_device_train_batch_size=8, per_device_eval_batch_size=8, tf32=None,
+                               gradient_checkpointing=False)  # fmt: skip
+    run_args = SimpleNamespace(training=training, augment=SimpleNamespace(patch_dropout=0.0))
+    run = SimpleNamespace(precision="bf16", strategy=SimpleNamespace(name="single"))
+    args = model_args(config_name="vit", config_overrides="image_size=16,patch_size=4,hidden_size=16,"
+                      "num_hidden_layers=1,num_attention_heads=2,intermediate_size=32", attn_implementation="sdpa")  # fmt: skip
+    model, _ = build_model(args, ["a", "b"])
+    sdpa = plan.compile_key(run, run_args, model)
+    model.config._attn_implementation = attention.NAME
+    assert plan.compile_key(run, run_args, model) != sdpa

@@ -58,7 +58,7 @@ class ModelArguments:
         "auto",
         "Attention kernel: 'auto' (SDPA where the model has it, else eager; one log line says which), 'sdpa', "
         "'sdpa_direct' (the same SDPA kernel called without transformers' per-call checks, which serve language "
-        "models: less host time per layer; same results and checkpoints) or 'eager'.",
+        "models; same results and checkpoints) or 'eager'.",
     )
     drop_path_rate: float | None = _arg(
         None,

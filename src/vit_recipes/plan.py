@@ -314,7 +314,8 @@ def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
     t = args.training
     parts = [torch.__version__, triton_version, torch.cuda.get_device_name(), repr(model), config,
              t.per_device_train_batch_size, t.per_device_eval_batch_size, plan.precision,
-             t.tf32, bool(t.gradient_checkpointing), plan.strategy.name, args.augment.patch_dropout]  # fmt: skip
+             t.tf32, bool(t.gradient_checkpointing), plan.strategy.name, args.augment.patch_dropout,
+             model.config._attn_implementation]  # fmt: skip  # to_dict() leaves the attention out
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
