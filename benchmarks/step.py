@@ -230,7 +230,7 @@ def measure_variant(variant: Variant, batches: list[int], warmup: int, steps: in
     step = train_step(forward, optimizer, variant.autocast, device.type)
     peak = peak_flops(torch.cuda.get_device_name(), "bf16") if device.type == "cuda" else None
     out = {"variant": variant.name, "flops_per_image": training_flops_per_image(config, False), "peak_flops": peak,
-           "optimizer_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trained.parameters()}),
+           "module": type(trained).__name__, "optimizer_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trained.parameters()}),
            "batches": []}  # fmt: skip
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # each batch compiles for its shape, as in a run
         for batch in batches:
@@ -397,7 +397,9 @@ def measure(variant: Variant, args, folder: Path, timeout: float) -> dict:
             gc.collect()
     record["wall_s"] = round(time.perf_counter() - began, 1)
     record["batches"] = result.get("batches", [])
-    record.update({k: result[k] for k in ("flops_per_image", "peak_flops", "optimizer_dtypes") if k in result})
+    record.update(
+        {k: result[k] for k in ("flops_per_image", "peak_flops", "module", "optimizer_dtypes") if k in result}
+    )
     done = {row["batch"] for row in record["batches"]}
     if result.get("error"):
         record.update(status="error", error=result["error"])

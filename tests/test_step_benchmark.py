@@ -113,6 +113,7 @@ def test_the_bf16_compute_routes_record_the_loss_autocast_computes(tmp_path):
         assert variants[name]["compile"] == "regions" and row["status"] == "ok" and row["images_per_second"] > 0
         assert "mfu" in row and row["first_loss"] == pytest.approx(plain["first_loss"], abs=5e-3)
         assert variants[name]["optimizer_dtypes"] == ["float32"]  # the master weights the optimizer updates
+    assert variants["fsdp2-mp-regions"]["module"] == "FSDPViTForImageClassification"  # FSDP2 wraps the model
     ddp = variants["ddp-mp-eager"]
     assert ddp["status"] == "skipped" and ddp["error"].startswith("DDP's mixed precision needs a GPU")
     assert not torch.distributed.is_initialized()
