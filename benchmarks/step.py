@@ -229,9 +229,9 @@ def measure_variant(variant: Variant, batches: list[int], warmup: int, steps: in
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
     step = train_step(forward, optimizer, variant.autocast, device.type)
     peak = peak_flops(torch.cuda.get_device_name(), "bf16") if device.type == "cuda" else None
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trained.parameters()})  # the optimizer's
     out = {"variant": variant.name, "flops_per_image": training_flops_per_image(config, False), "peak_flops": peak,
-           "module": type(trained).__name__, "optimizer_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in trained.parameters()}),
-           "batches": []}  # fmt: skip
+           "module": type(trained).__name__, "optimizer_dtypes": dtypes, "batches": []}  # fmt: skip
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # each batch compiles for its shape, as in a run
         for batch in batches:
             try:
