@@ -94,8 +94,9 @@ def test_the_list_runs_the_core_variants_then_the_recipe_then_the_rest(capsys):
     assert names.index("direct-regions") < names.index("recipe-b128-compiled") < names.index("fused-whole-bf16")
     assert step.main(["--list", "--no-recipe", "--variants", "regions"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    # the recipe left out; the routes to bf16 compute first of the rest, before the whole-model extras
     assert listed == ["hf-regions", "direct-regions", "fsdp2-mp-regions", "autocast-bf16-layernorm-regions",
-                      "direct-regions-bf16"]  # the recipe's left out; the routes to bf16 compute before the extras  # fmt: skip
+                      "direct-regions-bf16"]  # fmt: skip
 
 
 def test_the_bf16_compute_routes_record_the_loss_autocast_computes(tmp_path):
