@@ -194,10 +194,10 @@ def run_variant(variant: Variant, batches: list[int], warmup: int, steps: int, t
     elif variant.precision == "ddp" and device.type != "cuda":
         skip = "DDP's mixed precision needs a GPU (its bf16 copies wait on device events, which the CPU lacks)"
     if skip:
-        return {
-            "variant": variant.name,
-            "batches": [{"batch": b, "status": "skipped", "error": skip} for b in batches],
-        }
+        out = {"variant": variant.name, "batches": [{"batch": b, "status": "skipped", "error": skip} for b in batches]}
+        if result_file:  # a worker's record says why (without it the suite read no batches)
+            common.write_json(result_file, out)
+        return out
     with process_group(device, variant.precision in ("fsdp2", "ddp")):
         return measure_variant(variant, batches, warmup, steps, tiny, backend, device, result_file)
 
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     core, recipe, rest = plan(args)
     if args.list:
         for v in [*core, *(f"recipe-{n}" for n in recipe), *rest]:
-            print(f"{v.name:22} {v.what}" if isinstance(v, Variant) else f"{v:22} the CIFAR recipe (suites/step.yaml)")
+            print(f"{v.name:32} {v.what}" if isinstance(v, Variant) else f"{v:32} the CIFAR recipe (suites/step.yaml)")
         return 0
     if not (core or recipe or rest):
         print(f"error: no variant matches --variants {args.variants!r} (python -m benchmarks.step --list)")

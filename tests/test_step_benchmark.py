@@ -54,6 +54,12 @@ def test_a_variant_whose_process_fails_is_its_error_and_the_budget_skips(tmp_pat
     assert {v["status"] for v in read(tmp_path / "b")["variants"]} == {"skipped"}
 
 
+def test_a_skipped_variant_writes_why_for_the_suite_that_launched_it(tmp_path):
+    result = tmp_path / "ddp-mp-eager.json"  # the file a --worker process leaves for run_worker to read
+    step.run_variant(step.BY_NAME["ddp-mp-eager"], [4, 8], 1, 2, True, "eager", result)
+    assert [row["status"] for row in json.loads(result.read_text())["batches"]] == ["skipped", "skipped"]
+
+
 def test_the_recipe_runs_go_through_the_runner_and_are_set_against_their_bare_variant(tmp_path, monkeypatch):
     commands = []
 
