@@ -283,6 +283,8 @@ def master_weights(model, precision: str):
 
     bf16 = torch.bfloat16
     if precision == "ddp":
+        # Tried on the CPU with its device events stubbed, its first backward's gradients were garbage, the later ones
+        # FSDP2's exactly: the record's `loss` (after the warm-up) against fsdp2-mp-regions' says if a GPU does that.
         from torch.nn.parallel import DistributedDataParallel
         from torch.nn.parallel.distributed import _MixedPrecision
 

@@ -119,6 +119,7 @@ def test_the_bf16_compute_routes_record_the_loss_autocast_computes(tmp_path):
         (row,) = variants[name]["batches"]
         assert variants[name]["compile"] == "regions" and row["status"] == "ok" and row["images_per_second"] > 0
         assert "mfu" in row and row["first_loss"] == pytest.approx(plain["first_loss"], abs=5e-3)
+        assert row["loss"] == pytest.approx(plain["loss"], abs=5e-3)  # after 2 updates of the fp32 weights
         assert variants[name]["optimizer_dtypes"] == ["float32"]  # the master weights the optimizer updates
     assert variants["fsdp2-mp-regions"]["module"] == "FSDPViTForImageClassification"  # FSDP2 wraps the model
     ddp = variants["ddp-mp-eager"]
