@@ -13,7 +13,10 @@ steps between two CUDA synchronisations, at each of `--batches`. transformers' m
 `compile_regions`, the function the recipe's regional compilation calls. MFU: `vit_recipes.flops`' count (3 x the
 forward) against its peak. Each variant runs in its own process (`--worker`), so an out-of-memory or a failing
 compile is that variant's error and the suite goes on; a variant whose estimated time no longer fits `--budget` is
-skipped. Order: the core variants, then the recipe runs, then the rest (`--list`).
+skipped. Order: the core variants, then the recipe runs, then the rest (`--list`). `fsdp2-mp-regions` and
+`ddp-mp-eager` compute in bf16 on fp32 master weights cast once per step by torch's FSDP2 or DDP on one rank,
+`autocast-bf16-layernorm-regions` runs autocast's LayerNorms in bf16: which route to no per-op casts pays. Each
+batch's `first_loss` is the loss of the initial weights, the same for every variant within bf16's tolerance.
 
 Recipe: the runs of benchmarks/suites/step.yaml (the CIFAR ViT-B recipe's settings, steady images/s from the speed
 meter) through the one runner, `python -m benchmarks.run step --out OUT/recipe`, with what is left of the budget.
@@ -28,6 +31,7 @@ at once (how the tests check that a failure is recorded, not fatal).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -61,9 +65,12 @@ class Variant:
     what: str  # the table's words for it
     model: str  # "hf" (transformers, through the recipe's build_model), "fused" (fused_qkv_vit), "timm"
     compile: str  # "eager", "regions" (accelerate's compile_regions, as the recipe) or "whole" (torch.compile)
-    autocast: bool  # fp32 weights under bf16 autocast (the recipe), else bf16 weights, no autocast
+    autocast: bool  # fp32 weights under bf16 autocast (the recipe), else no autocast: bf16 weights (or `precision`)
     attention: str = "sdpa"  # --attn_implementation of the hf models
     core: bool = True  # core variants run before the recipe, the others after it
+    # "fsdp2", "ddp": fp32 master weights (the optimizer's) cast to bf16 once per step by that wrapper on a process
+    # group of one rank (master_weights), no autocast; "bf16-layernorm": autocast, the LayerNorms in bf16
+    precision: str = ""
 
 
 VARIANTS = [  # the order they run in: core variants, then the recipe runs, then the others
@@ -71,6 +78,12 @@ VARIANTS = [  # the order they run in: core variants, then the recipe runs, then
     Variant("hf-regions", "HF ViT, regional compile, autocast (the recipe's long runs)", "hf", "regions", True),
     Variant("direct-regions", "sdpa_direct, regional compile, autocast", "hf", "regions", True, "sdpa_direct"),
     Variant("direct-eager", "sdpa_direct, eager, autocast", "hf", "eager", True, "sdpa_direct"),
+    Variant("fsdp2-mp-regions", "FSDP2 on 1 rank, bf16 compute, fp32 master weights, regional compile", "hf",
+            "regions", False, core=False, precision="fsdp2"),
+    Variant("ddp-mp-eager", "DDP on 1 rank, its private bf16 mixed precision, fp32 master weights, eager", "hf",
+            "eager", False, core=False, precision="ddp"),
+    Variant("autocast-bf16-layernorm-regions", "HF ViT, regional compile, autocast, LayerNorms in bf16", "hf",
+            "regions", True, core=False, precision="bf16-layernorm"),
     Variant("fused-whole-bf16", "one qkv Linear, whole compile, bf16 weights (ceiling)", "fused", "whole", False,
             core=False),
     Variant("direct-regions-bf16", "sdpa_direct, regional compile, bf16 weights", "hf", "regions", False,
@@ -172,30 +185,53 @@ def run_variant(variant: Variant, batches: list[int], warmup: int, steps: int, t
     `result_file` after every batch, so that a crash keeps what was measured."""
     if os.environ.get(FAIL_ENV) == variant.name:
         raise RuntimeError(f"{FAIL_ENV}={variant.name}: the variant failed as asked")
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    skip = None
     if variant.model == "timm" and importlib.util.find_spec("timm") is None:  # not a dependency of the package
-        return {"variant": variant.name, "batches": [{"batch": b, "status": "skipped", "error": "timm is not installed"}
-                                                     for b in batches]}  # fmt: skip
+        skip = "timm is not installed"
+    elif variant.precision == "ddp" and device.type != "cuda":
+        skip = "DDP's mixed precision needs a GPU (its bf16 copies wait on device events, which the CPU lacks)"
+    if skip:
+        out = {"variant": variant.name, "batches": [{"batch": b, "status": "skipped", "error": skip} for b in batches]}
+        if result_file:  # a worker's record says why (without it the suite read no batches)
+            common.write_json(result_file, out)
+        return out
+    with process_group(device, variant.precision in ("fsdp2", "ddp")):
+        return measure_variant(variant, batches, warmup, steps, tiny, backend, device, result_file)
+
+
+def measure_variant(variant: Variant, batches: list[int], warmup: int, steps: int, tiny: bool, backend: str, device,
+                    result_file: Path | None) -> dict:  # fmt: skip
     import torch
 
     from vit_recipes.flops import peak_flops, training_flops_per_image
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     torch.manual_seed(0)
     model, forward, config = build(variant, tiny)
-    model = model.to(device) if variant.autocast else model.to(device, torch.bfloat16)
+    masters = variant.precision in ("fsdp2", "ddp")
+    model = model.to(device) if variant.autocast or masters else model.to(device, torch.bfloat16)
     model.train()
+    if variant.precision == "bf16-layernorm":
+        bf16_layernorms(model)
+    trained = model
     if variant.compile == "regions":
         from accelerate.utils import compile_regions
 
-        regions = compile_regions(model, backend=backend)
-        forward = (lambda x: regions(pixel_values=x).logits) if variant.model == "hf" else regions
+        trained = compile_regions(model, backend=backend)
+        forward = (lambda x: trained(pixel_values=x).logits) if variant.model == "hf" else trained
     elif variant.compile == "whole":
         forward = torch.compile(forward, backend=backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
+    if masters:  # after the regional compile: the wrappers' hooks run around the compiled blocks, as in torchtitan
+        trained = master_weights(trained, variant.precision)
+        forward = lambda x: trained(pixel_values=x).logits  # noqa: E731
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
     step = train_step(forward, optimizer, variant.autocast, device.type)
     peak = peak_flops(torch.cuda.get_device_name(), "bf16") if device.type == "cuda" else None
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trained.parameters()})  # the optimizer's
     out = {"variant": variant.name, "flops_per_image": training_flops_per_image(config, False), "peak_flops": peak,
-           "batches": []}  # fmt: skip
+           "module": type(trained).__name__, "optimizer_dtypes": dtypes, "batches": []}  # fmt: skip
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # each batch compiles for its shape, as in a run
         for batch in batches:
             try:
@@ -218,6 +254,68 @@ def run_variant(variant: Variant, batches: list[int], warmup: int, steps: int, t
             if row["status"] == "oom":
                 break
     return out
+
+
+@contextlib.contextmanager
+def process_group(device, needed: bool):
+    """A process group of one rank (nccl on a GPU, gloo on the CPU) while a wrapper that needs one measures; ended
+    after, so that nothing later in this process takes it for a distributed run."""
+    import torch.distributed as dist
+
+    if not needed or dist.is_initialized():
+        yield
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # one process: no rendezvous
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def master_weights(model, precision: str):
+    """`model` trained on bf16 copies of its fp32 parameters, made once per step by torch's wrappers, the fp32 ones
+    kept for the optimizer (instead of autocast casting each weight in each op): FSDP2's `fully_shard` with a
+    `MixedPrecisionPolicy` on each repeated block (the compiled ones, after compile_regions, as torchtitan orders
+    them) and on the root, or DDP's mixed precision (`_MixedPrecision`: private and experimental in torch, DDP's only
+    route to it; it puts a pre-hook on every submodule, which torch.compile fails to trace, so DDP's runs eager)."""
+    import torch
+
+    bf16 = torch.bfloat16
+    if precision == "ddp":
+        # Tried on the CPU with its device events stubbed, its first backward's gradients were garbage, the later ones
+        # FSDP2's exactly: the record's `loss` (after the warm-up) against fsdp2-mp-regions' says if a GPU does that.
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.nn.parallel.distributed import _MixedPrecision
+
+        return DistributedDataParallel(
+            model, mixed_precision=_MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32)
+        )
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+    for blocks in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for block in blocks:
+            fully_shard(block, mp_policy=policy, reshard_after_forward=False)
+    return fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+
+
+def bf16_layernorms(model) -> None:
+    """Each nn.LayerNorm of `model` computes in bf16 on its input cast to bf16: autocast runs it in fp32 (an fp32
+    copy of its input, an fp32 output the next Linear casts back), and this measures what that round trip costs."""
+    import torch
+    import torch.nn.functional as F
+
+    class Bf16LayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            bf16 = torch.bfloat16
+            with torch.autocast(x.device.type, enabled=False):
+                weight, bias = self.weight.to(bf16), self.bias.to(bf16)
+                return F.layer_norm(x.to(bf16), self.normalized_shape, weight, bias, self.eps)
+
+    for module in model.modules():
+        if type(module) is torch.nn.LayerNorm:
+            module.__class__ = Bf16LayerNorm
 
 
 def train_step(forward, optimizer, autocast: bool, device_type: str):
@@ -248,19 +346,21 @@ def time_batch(step, batch: int, config, autocast: bool, device, warmup: int, st
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     began = time.perf_counter()
-    for _ in range(warmup):
+    first = step(pixels, labels).detach() if warmup else None  # the loss of the initial weights: equal across variants
+    for _ in range(warmup - 1):
         step(pixels, labels)
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         loss = step(pixels, labels)
+        first = loss.detach() if first is None else first
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"batch": batch, "status": "ok", "images_per_second": round(batch * steps / seconds, 2),
             "step_ms": round(1000 * seconds / steps, 3), "warmup_s": round(start - began, 2),
-            "loss": round(float(loss.detach()), 4),
+            "loss": round(float(loss.detach()), 4), "first_loss": round(float(first), 5),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}  # fmt: skip
 
 
@@ -299,7 +399,9 @@ def measure(variant: Variant, args, folder: Path, timeout: float) -> dict:
             gc.collect()
     record["wall_s"] = round(time.perf_counter() - began, 1)
     record["batches"] = result.get("batches", [])
-    record.update({k: result[k] for k in ("flops_per_image", "peak_flops") if k in result})
+    record.update(
+        {k: result[k] for k in ("flops_per_image", "peak_flops", "module", "optimizer_dtypes") if k in result}
+    )
     done = {row["batch"] for row in record["batches"]}
     if result.get("error"):
         record.update(status="error", error=result["error"])
@@ -408,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     core, recipe, rest = plan(args)
     if args.list:
         for v in [*core, *(f"recipe-{n}" for n in recipe), *rest]:
-            print(f"{v.name:22} {v.what}" if isinstance(v, Variant) else f"{v:22} the CIFAR recipe (suites/step.yaml)")
+            print(f"{v.name:32} {v.what}" if isinstance(v, Variant) else f"{v:32} the CIFAR recipe (suites/step.yaml)")
         return 0
     if not (core or recipe or rest):
         print(f"error: no variant matches --variants {args.variants!r} (python -m benchmarks.step --list)")

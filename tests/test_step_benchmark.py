@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,6 +54,12 @@ def test_a_variant_whose_process_fails_is_its_error_and_the_budget_skips(tmp_pat
     assert {v["status"] for v in read(tmp_path / "b")["variants"]} == {"skipped"}
 
 
+def test_a_skipped_variant_writes_why_for_the_suite_that_launched_it(tmp_path):
+    result = tmp_path / "ddp-mp-eager.json"  # the file a --worker process leaves for run_worker to read
+    step.run_variant(step.BY_NAME["ddp-mp-eager"], [4, 8], 1, 2, True, "eager", result)
+    assert [row["status"] for row in json.loads(result.read_text())["batches"]] == ["skipped", "skipped"]
+
+
 def test_the_recipe_runs_go_through_the_runner_and_are_set_against_their_bare_variant(tmp_path, monkeypatch):
     commands = []
 
@@ -93,7 +100,56 @@ def test_the_list_runs_the_core_variants_then_the_recipe_then_the_rest(capsys):
     assert names.index("direct-regions") < names.index("recipe-b128-compiled") < names.index("fused-whole-bf16")
     assert step.main(["--list", "--no-recipe", "--variants", "regions"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == ["hf-regions", "direct-regions", "direct-regions-bf16"]  # the recipe's left out
+    # the recipe left out; the routes to bf16 compute first of the rest, before the whole-model extras
+    assert listed == ["hf-regions", "direct-regions", "fsdp2-mp-regions", "autocast-bf16-layernorm-regions",
+                      "direct-regions-bf16"]  # fmt: skip
+
+
+def test_the_bf16_compute_routes_record_the_loss_autocast_computes(tmp_path):
+    """FSDP2's bf16 compute on fp32 master weights and autocast with bf16 LayerNorms: measured, and the loss of the
+    same initial weights on the same batch as autocast's within bf16's tolerance; DDP's route needs a GPU (skipped,
+    saying why); the one-rank process group is ended after."""
+    new = ["fsdp2-mp-regions", "ddp-mp-eager", "autocast-bf16-layernorm-regions"]
+    chosen = "^(hf-eager|" + "|".join(new) + ")$"
+    assert step.main(["--tiny", "--in-process", "--out", str(tmp_path), "--variants", chosen]) == 0
+    variants = {v["name"]: v for v in read(tmp_path)["variants"]}
+    assert list(variants) == ["hf-eager", *new]
+    (plain,) = variants["hf-eager"]["batches"]
+    for name in ("fsdp2-mp-regions", "autocast-bf16-layernorm-regions"):
+        (row,) = variants[name]["batches"]
+        assert variants[name]["compile"] == "regions" and row["status"] == "ok" and row["images_per_second"] > 0
+        assert "mfu" in row and row["first_loss"] == pytest.approx(plain["first_loss"], abs=5e-3)
+        assert row["loss"] == pytest.approx(plain["loss"], abs=5e-3)  # after 2 updates of the fp32 weights
+        assert variants[name]["optimizer_dtypes"] == ["float32"]  # the master weights the optimizer updates
+    assert variants["fsdp2-mp-regions"]["module"] == "FSDPViTForImageClassification"  # FSDP2 wraps the model
+    ddp = variants["ddp-mp-eager"]
+    assert ddp["status"] == "skipped" and ddp["error"].startswith("DDP's mixed precision needs a GPU")
+    assert not torch.distributed.is_initialized()
+
+
+def test_fsdp2_keeps_fp32_masters_and_computes_in_bf16_and_the_layernorms_run_in_bf16():
+    variant = step.BY_NAME["fsdp2-mp-regions"]
+    pixels = torch.randn(2, 3, 32, 32)
+    with step.process_group(torch.device("cpu"), True):
+        torch.manual_seed(0)
+        model, _, _ = step.build(variant, tiny=True)
+        wrapped = step.master_weights(model, variant.precision)
+        logits = wrapped(pixel_values=pixels).logits
+        logits.float().sum().backward()
+    assert logits.dtype == torch.bfloat16
+    assert {(type(p).__name__, p.dtype, p.grad.dtype) for p in model.parameters()} == {
+        ("DTensor", torch.float32, torch.float32)
+    }
+    model, _, _ = step.build(step.BY_NAME["autocast-bf16-layernorm-regions"], tiny=True)
+    step.bf16_layernorms(model)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    outputs = []
+    for norm in norms:
+        norm.register_forward_hook(lambda module, args, out: outputs.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(pixel_values=pixels)
+    assert len(outputs) == len(norms) == 5 and set(outputs) == {torch.bfloat16}  # autocast's: float32
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_the_fused_qkv_ceiling_computes_what_transformers_vit_computes():
