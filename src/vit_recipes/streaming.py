@@ -22,6 +22,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import datasets
 import psutil
@@ -113,14 +114,14 @@ class RankStream(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, stream: datasets.IterableDataset, rank: int, world_size: int, seed: int, buffer: int,
-                 rows: int | None = None):  # fmt: skip
+                 rows: int | None = None, largest_row_group: tuple[int, str] | None = None):  # fmt: skip
         super().__init__()
         self.stream = stream  # the whole split: worker_part takes a shard of it
         self.part = split_dataset_by_node(stream, rank=rank, world_size=world_size)
         self.rank, self.world_size, self.seed, self.buffer = rank, world_size, seed, buffer
         self.rows = rows  # images in the whole stream, where its metadata says (else None)
         self.epoch, self.position, self._skip = 0, 0, 0
-        self.largest_row_group: tuple[int, str] | None = None  # (bytes, file): what a worker holds as it reads
+        self.largest_row_group = largest_row_group  # (bytes, file) of local parquet shards: what a worker holds
 
     @property
     def num_shards(self) -> int:
@@ -233,12 +234,13 @@ def warn_of_row_group_memory(largest: tuple[int, str] | None, workers: int) -> N
     group (a pandas/pyarrow default) is read whole by each worker that shares it."""
     if not largest:
         return
-    held, total = ROW_GROUP_COPIES * largest[0] * max(1, workers), psutil.virtual_memory().total
+    workers = max(1, workers)
+    held, total = ROW_GROUP_COPIES * largest[0] * workers, psutil.virtual_memory().total
     if held > total / 2:
         logger.warning(
             "--streaming: %d DataLoader worker(s) each hold a row group of up to %.1f GiB as they read (%s; ~%dx in "
             "memory: %.0f GiB in all, of this machine's %.0f GiB): write the parquet files in smaller row groups "
-            "(datasets writes images 100 rows a group) or pass fewer --dataloader_num_workers", max(1, workers),
+            "(datasets writes images 100 rows a group) or pass fewer --dataloader_num_workers", workers,
             largest[0] / 2**30, largest[1], ROW_GROUP_COPIES, held / 2**30, total / 2**30,
         )  # fmt: skip
 
@@ -339,30 +341,32 @@ class StreamedBatches:
 # ---------------------------------------------------------------------------------------------------- loading
 
 
-def shard_columns(file: str) -> list[str]:
-    """A local shard's columns, from its parquet footer or arrow schema (a few KB, not its rows). A parquet shard cut
-    short (an interrupted copy or download) has no footer: one line names it, before any work."""
+class Footer(NamedTuple):
+    """What a local shard's footer says, read once before any work."""
+
+    columns: list[str]
+    largest_group: int  # bytes of its largest parquet row group, what one worker holds as it reads (0: arrow)
+
+
+def shard_footer(file: str) -> Footer:
+    """A local shard's columns and largest row group, from its parquet footer or arrow schema (a few KB, not its
+    rows). A parquet shard cut short (an interrupted copy or download) has no footer: one line names it, before any
+    work."""
     try:
         if file.endswith(".parquet"):
-            return pq.read_schema(file).names
+            meta = pq.read_metadata(file)
+            groups = (meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+            return Footer(meta.schema.to_arrow_schema().names, max(groups, default=0))
         with pa.memory_map(file) as source:
             try:
-                return pa.ipc.open_stream(source).schema.names
+                return Footer(pa.ipc.open_stream(source).schema.names, 0)
             except pa.ArrowInvalid:  # datasets reads both arrow formats: the stream (its own) and the file format
-                return pa.ipc.open_file(source).schema.names
+                return Footer(pa.ipc.open_file(source).schema.names, 0)
     except (pa.ArrowException, OSError) as err:
         raise RecipeError(
             f"--streaming: shard {file} cannot be read ({first_line(err)}): it is cut short or damaged; copy or "
             "export it again, or move it out of the dataset folder"
         ) from None
-
-
-def largest_row_group(files) -> tuple[int, str] | None:
-    """The bytes of the largest row group among local parquet shards, and its file (footers only): what one
-    DataLoader worker holds as it reads, whole (None where no shard is a local parquet file)."""
-    sizes = [(meta.row_group(i).total_byte_size, file) for file in files if file.endswith(".parquet")
-             for meta in [pq.ParquetFile(file).metadata] for i in range(meta.num_row_groups)]  # fmt: skip
-    return max(sizes, default=None)
 
 
 def _shard_files(path: Path) -> list[str]:
@@ -372,15 +376,15 @@ def _shard_files(path: Path) -> list[str]:
     return [f for f in files if suffix(f) in SCHEMA_SHARDS]
 
 
-def _local_shards(path: Path, streams: dict) -> dict[str, list[str]]:
-    """Every local parquet/arrow shard of the dataset and its columns (none for a Hub dataset, a folder of images or
+def _local_shards(path: Path, streams: dict) -> dict[str, Footer]:
+    """Every local parquet/arrow shard of the dataset and its footer (none for a Hub dataset, a folder of images or
     WebDataset shards)."""
     if not {getattr(s.info, "builder_name", None) for s in streams.values()} & {"parquet", "arrow"}:
         return {}
-    return {file: shard_columns(file) for file in _shard_files(path)}
+    return {file: shard_footer(file) for file in _shard_files(path)}
 
 
-def _streams(source: str, config_name: str | None, cache_dir: str | None) -> tuple[dict, dict[str, list[str]]]:
+def _streams(source: str, config_name: str | None, cache_dir: str | None) -> tuple[dict, dict[str, Footer]]:
     """Every split of a dataset as a stream, and its local shards' columns (`_local_shards`): a Hub id streamed from
     the Hub, a local folder's shards from disk (its files indexed in one walk, folder_index.py); a folder of images
     alone is its table of paths, made iterable."""
@@ -397,7 +401,7 @@ def _streams(source: str, config_name: str | None, cache_dir: str | None) -> tup
             loaded = load_folder(path, cache_dir, streaming=True)  # a folder of images: its table of paths
     except pa.ArrowException:  # datasets read a split's first shard for its columns, and failed: name the shard
         for file in _shard_files(path):
-            shard_columns(file)
+            shard_footer(file)
         raise
     streams = {
         s: d.to_iterable_dataset(num_shards=min(64, len(d))) if s == "train" and isinstance(d, datasets.Dataset) else d
@@ -406,10 +410,10 @@ def _streams(source: str, config_name: str | None, cache_dir: str | None) -> tup
     return streams, _local_shards(path, streams)
 
 
-def check_shard_columns(shards: dict[str, list[str]], features, image_column: str, label_column: str) -> None:
+def check_shard_columns(shards: dict[str, Footer], features, image_column: str, label_column: str) -> None:
     """Every shard holds the image and label columns (a shard without them would stream rows of None), and the
     columns of the first one, whose features datasets casts every shard to (another column fails the cast)."""
-    for file, columns in shards.items():
+    for file, (columns, _) in shards.items():
         if missing := [c for c in (image_column, label_column) if c not in columns]:
             raise RecipeError(
                 f"--streaming: shard {file} has no '{missing[0]}' column (its columns: {', '.join(columns)}): every "
@@ -503,9 +507,10 @@ def load_stream_splits(data_args, training, cache_dir: str | None = None):
         raise RecipeError(f"label column '{label_column}' has {len(names)} class(es); classification needs at least 2")
     rows = getattr(getattr(train.info, "splits", None) or {}, "get", lambda _: None)(train_name)
     rows = rows.num_examples if rows is not None and rows.num_examples else None
+    largest = max(((footer.largest_group, file) for file, footer in shards.items() if footer.largest_group),
+                  default=None)  # fmt: skip
     stream = RankStream(prepared(train), training.process_index, training.world_size, training.seed,
-                        data_args.shuffle_buffer_size, rows)  # fmt: skip
-    stream.largest_row_group = largest_row_group(shards)
+                        data_args.shuffle_buffer_size, rows, largest)  # fmt: skip
     val, test = (prepared(evaluated[n]) if n else None for n in (val_name, test_name))
     notes = [f"train: streamed ({stream.part.num_shards} shard(s) on this rank of {training.world_size})"]
     if data_args.max_eval_samples:
