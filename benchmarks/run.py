@@ -26,7 +26,8 @@ Logs and outputs stay out of git (.gitignore).
 
 Run record: name, suite, status (ok/failed/skipped), failure (oom/timeout/error/plan/skipped), error, strategy,
 gpus, model, per_device_batch, global_batch, precision, dataset, steps, dataloader_workers, extra_args, peer, cache,
-device, command, git_commit, code_fingerprint, versions, metrics, wall_seconds, log, created.
+device, command, git_commit, code_fingerprint, versions, metrics, loss_curve ([step, training loss] per log line),
+wall_seconds, log, created.
 """
 
 from __future__ import annotations
@@ -321,13 +322,24 @@ PER_RANK_NAMES = {
 }
 
 
-def per_rank_memory(output_dir: Path) -> dict:
-    """Memory of every rank, from the per-step logs in trainer_state.json (meter.SpeedMeter): the largest logged
-    value per rank, plus train_peak_allocated_gib_max_rank and train_states_allocated_gib_max_rank."""
+def log_history(output_dir: Path) -> list[dict]:
+    """The run's log lines (trainer_state.json's log_history; [] where the run wrote none)."""
     try:
-        history = json.loads((output_dir / "trainer_state.json").read_text()).get("log_history", [])
+        return json.loads((output_dir / "trainer_state.json").read_text()).get("log_history", [])
     except (OSError, ValueError):
-        return {}
+        return []
+
+
+def loss_curve(history: list[dict]) -> list[list[float]]:
+    """[step, training loss] of each training log line: what a numerics comparison sets side by side."""
+    return [
+        [entry["step"], round(float(entry["loss"]), 5)] for entry in history if "loss" in entry and "step" in entry
+    ]
+
+
+def per_rank_memory(history: list[dict]) -> dict:
+    """Memory of every rank, from the per-step logs (meter.SpeedMeter): the largest logged value per rank, plus
+    train_peak_allocated_gib_max_rank and train_states_allocated_gib_max_rank."""
     out: dict[str, float] = {}
     for entry in history:
         for key, value in entry.items():
@@ -396,7 +408,9 @@ def execute(
             metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             record["metrics"] = metrics
             report.fill_derived(record)  # steady-state batches/s and per-GPU images/s, from what the script measured
-            metrics.update(per_rank_memory(output_dir))
+            history = log_history(output_dir)
+            metrics.update(per_rank_memory(history))
+            record["loss_curve"] = loss_curve(history)
             record["status"] = "ok"
             if "train_images_per_second" not in metrics:
                 record.update(status="failed", failure="error", error="no steady-state steps (raise --steps above 5)")

@@ -245,20 +245,22 @@ def test_ds_overrides_reach_deepspeed_through_accelerate(tmp_path, monkeypatch):
         plan(strategy="fsdp2", gpus=2, ds_overrides={"a.b": 1})
 
 
-def test_per_rank_memory_keeps_peak_and_model_states_per_rank(tmp_path):
+def test_per_rank_memory_and_the_loss_curve_come_from_the_runs_log_lines(tmp_path):
     history = [
-        {"loss": 2.0, "gpu_mem_allocated_gib_rank0": 1.25, "gpu_mem_allocated_gib_rank1": 1.5,
+        {"loss": 2.0, "step": 10, "gpu_mem_allocated_gib_rank0": 1.25, "gpu_mem_allocated_gib_rank1": 1.5,
          "gpu_mem_peak_gib_rank0": 9.0, "gpu_mem_peak_gib_rank1": 8.0},
-        {"loss": 1.9, "gpu_mem_allocated_gib_rank0": 1.0, "gpu_mem_allocated_gib_rank1": 1.75,
+        {"loss": 1.9, "step": 20, "gpu_mem_allocated_gib_rank0": 1.0, "gpu_mem_allocated_gib_rank1": 1.75,
          "gpu_mem_peak_gib_rank0": 9.5, "gpu_mem_peak_gib_rank1": 8.0},
-        {"eval_loss": 1.8},
+        {"eval_loss": 1.8, "step": 20},
     ]  # fmt: skip
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
-    memory = bench_run.per_rank_memory(tmp_path)
+    read = bench_run.log_history(tmp_path)
+    memory = bench_run.per_rank_memory(read)
     assert memory["train_states_allocated_gib_rank0"] == 1.25 and memory["train_states_allocated_gib_rank1"] == 1.75
     assert memory["train_states_allocated_gib_max_rank"] == 1.75
     assert memory["train_peak_allocated_gib_max_rank"] == 9.5
-    assert bench_run.per_rank_memory(tmp_path / "missing") == {}
+    assert bench_run.loss_curve(read) == [[10, 2.0], [20, 1.9]]  # training lines only
+    assert bench_run.log_history(tmp_path / "missing") == [] and bench_run.per_rank_memory([]) == {}
 
 
 def test_runner_records_cold_and_warm_runs_and_reports_them(cifar_like, tiny_vit, tmp_path):

@@ -87,17 +87,39 @@ def test_the_recipe_runs_go_through_the_runner_and_are_set_against_their_bare_va
                    "batch 128 (`fused-whole-bf16`)"  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "bare"), [("b128-compiled", "hf-regions"), ("b256-eager-direct", "direct-eager"),
-                                            ("b128-compiled-direct", "direct-regions")])  # fmt: skip
+@pytest.mark.parametrize(("name", "bare"), [("b128-compiled-500", "hf-regions"), ("b128-eager-direct", "direct-eager"),
+                                            ("b256-compiled-direct", "direct-regions"),
+                                            ("b128-fsdp2-compiled-500", "fsdp2-mp-regions")])  # fmt: skip
 def test_each_recipe_run_names_a_bare_variant_of_the_suite(name, bare):
     assert step.bare_for(name) == bare and bare in step.BY_NAME
     assert name in step.recipe_runs()
+    assert step.row_name(f"recipe-{name}") == f"recipe-{name}".replace("-b128", "").replace("-b256", "").removesuffix(
+        "-500"
+    )
+
+
+def test_the_seeded_runs_loss_curves_are_compared_window_by_window_against_the_default(tmp_path):
+    """The numerics: each 500-step run's 50-step window means against the default's, within the stated 2%."""
+    base = [[s, 4.0 - s / 1000] for s in range(10, 510, 10)]
+    close = [[s, loss * 1.01] for s, loss in base]  # 1% off everywhere
+    apart = [[s, loss * (1.05 if s > 450 else 1.0)] for s, loss in base]  # 5% off in the last window only
+    rows = [{"name": name, "status": "ok", "batch": 128, "loss_curve": curve}
+            for name, curve in ((step.NUMERICS_BASELINE, base), ("recipe-b128-compiled-direct-500", close),
+                                ("recipe-b128-fsdp2-compiled-500", apart), ("recipe-b256-compiled", None))]  # fmt: skip
+    record = {"recipe": rows, "device": "test"}
+    lines = step.numerics(record)
+    close_row, apart_row = record["numerics"]["runs"]
+    assert close_row["within"] and close_row["worst_rel_diff"] == pytest.approx(0.01, abs=1e-4)
+    assert not apart_row["within"] and apart_row["worst_window_end"] == 500 and apart_row["windows"] == 10
+    assert "within the 2% tolerance" in lines[0] and "**outside** the 2% tolerance" in lines[1]
+    assert step.loss_chart(record, tmp_path / "loss.png") and (tmp_path / "loss.png").stat().st_size > 0
+    assert step.window_means([[10, 1.0], [20, 3.0], [60, 5.0]], 50) == {50: 2.0, 100: 5.0}
 
 
 def test_the_list_runs_the_core_variants_then_the_recipe_then_the_rest(capsys):
     assert step.main(["--list"]) == 0
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert names.index("direct-regions") < names.index("recipe-b128-compiled") < names.index("fused-whole-bf16")
+    assert names.index("direct-regions") < names.index("recipe-b128-compiled-500") < names.index("fused-whole-bf16")
     assert step.main(["--list", "--no-recipe", "--variants", "regions"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     # the recipe left out; the routes to bf16 compute first of the rest, before the whole-model extras
