@@ -76,6 +76,7 @@ class Variant:
     # "fsdp2", "ddp": fp32 master weights (the optimizer's) cast to bf16 once per step by that wrapper on a process
     # group of one rank (master_weights), no autocast; "bf16-layernorm": autocast, the LayerNorms in bf16
     precision: str = ""
+    mode: str = ""  # torch.compile's mode ("reduce-overhead": CUDA graphs), else its default
 
 
 VARIANTS = [  # the order they run in: core variants, then the recipe runs, then the others
@@ -83,6 +84,9 @@ VARIANTS = [  # the order they run in: core variants, then the recipe runs, then
     Variant("hf-regions", "HF ViT, regional compile, autocast (the recipe's long runs)", "hf", "regions", True),
     Variant("direct-regions", "sdpa_direct, regional compile, autocast", "hf", "regions", True, "sdpa_direct"),
     Variant("direct-eager", "sdpa_direct, eager, autocast", "hf", "eager", True, "sdpa_direct"),
+    Variant("direct-regions-cudagraphs", "sdpa_direct, regional compile with CUDA graphs (reduce-overhead), autocast",
+            "hf", "regions", True, "sdpa_direct", mode="reduce-overhead"),
+    Variant("direct-whole", "sdpa_direct, whole-model compile, autocast", "hf", "whole", True, "sdpa_direct"),
     Variant("fsdp2-mp-regions", "FSDP2 on 1 rank, bf16 compute, fp32 master weights, regional compile", "hf",
             "regions", False, core=False, precision="fsdp2"),
     Variant("ddp-mp-eager", "DDP on 1 rank, its private bf16 mixed precision, fp32 master weights, eager", "hf",
@@ -224,10 +228,10 @@ def measure_variant(variant: Variant, batches: list[int], warmup: int, steps: in
     if variant.compile == "regions":
         from accelerate.utils import compile_regions
 
-        trained = compile_regions(model, backend=backend)
+        trained = compile_regions(model, backend=backend, **({"mode": variant.mode} if variant.mode else {}))
         forward = (lambda x: trained(pixel_values=x).logits) if variant.model == "hf" else trained
     elif variant.compile == "whole":
-        forward = torch.compile(forward, backend=backend)
+        forward = torch.compile(forward, backend=backend, **({"mode": variant.mode} if variant.mode else {}))
     if masters:  # after the regional compile: the wrappers' hooks run around the compiled blocks, as in torchtitan
         trained = master_weights(trained, variant.precision)
         forward = lambda x: trained(pixel_values=x).logits  # noqa: E731
@@ -597,8 +601,9 @@ def bare_for(recipe_name: str) -> str:
     compute on fp32 master weights)."""
     if "fsdp2" in recipe_name:
         return "fsdp2-mp-regions"
-    kind = "regions" if "compiled" in recipe_name else "eager"
-    return f"{'direct' if 'direct' in recipe_name else 'hf'}-{kind}"
+    kind = "whole" if "whole" in recipe_name else "regions" if "compiled" in recipe_name else "eager"
+    graphs = "-cudagraphs" if "cudagraphs" in recipe_name else ""
+    return f"{'direct' if 'direct' in recipe_name else 'hf'}-{kind}{graphs}"
 
 
 def row_name(recipe_name: str) -> str:
@@ -628,6 +633,12 @@ def compare(record: dict) -> list[str]:
     return lines
 
 
+def seeded_curves(record: dict) -> dict[str, list]:
+    """The loss curves of the recipe's seeded numerics runs (`-500`: same seed, batch and length as the baseline)."""
+    return {r["name"]: r["loss_curve"] for r in record["recipe"]
+            if r.get("status") == "ok" and r.get("loss_curve") and r["name"].endswith("-500")}  # fmt: skip
+
+
 def window_means(curve: list[list[float]], window: int) -> dict[int, float]:
     """Mean logged training loss in each `window` steps (key: the window's last step), from [step, loss] lines."""
     sums: dict[int, list[float]] = {}
@@ -639,7 +650,7 @@ def window_means(curve: list[list[float]], window: int) -> dict[int, float]:
 def numerics(record: dict) -> list[str]:
     """Each seeded 500-step recipe run's loss curve against the default's (NUMERICS_BASELINE), window by window:
     record["numerics"] and its lines. Same seed, same data order: what differs is the arithmetic."""
-    curves = {r["name"]: r["loss_curve"] for r in record["recipe"] if r.get("status") == "ok" and r.get("loss_curve")}
+    curves = seeded_curves(record)
     base = curves.get(NUMERICS_BASELINE)
     if not base:
         return []
@@ -668,7 +679,7 @@ def numerics(record: dict) -> list[str]:
 
 def loss_chart(record: dict, path: Path) -> bool:
     """The 500-step runs' training loss against the step, one line each: the numerics at a glance."""
-    curves = {r["name"]: r["loss_curve"] for r in record["recipe"] if r.get("status") == "ok" and r.get("loss_curve")}
+    curves = seeded_curves(record)
     if len(curves) < 2:
         return False
     import matplotlib
