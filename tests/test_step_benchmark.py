@@ -123,7 +123,8 @@ def test_the_list_runs_the_core_variants_then_the_recipe_then_the_rest(capsys):
     assert step.main(["--list", "--no-recipe", "--variants", "regions"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     # the recipe left out; the routes to bf16 compute first of the rest, before the whole-model extras
-    assert listed == ["hf-regions", "direct-regions", "fsdp2-mp-regions", "autocast-bf16-layernorm-regions",
+    assert listed == ["hf-regions", "direct-regions", "direct-regions-cudagraphs", "fsdp2-mp-regions",
+                      "autocast-bf16-layernorm-regions",
                       "direct-regions-bf16"]  # fmt: skip
 
 
