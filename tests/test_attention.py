@@ -126,12 +126,32 @@ def test_the_compile_caches_key_tells_the_attention_apart(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")  # the key names the GPU it compiled for
     training = SimpleNamespace(per_device_train_batch_size=8, per_device_eval_batch_size=8, tf32=None,
-                               gradient_checkpointing=False)  # fmt: skip
+                               gradient_checkpointing=False, torch_compile_mode=None, fp8=False)  # fmt: skip
     run_args = SimpleNamespace(training=training, augment=SimpleNamespace(patch_dropout=0.0))
-    run = SimpleNamespace(precision="bf16", strategy=SimpleNamespace(name="single"))
+    run = SimpleNamespace(precision="bf16", strategy=SimpleNamespace(name="single"), device="cuda")
     args = model_args(config_name="vit", config_overrides="image_size=16,patch_size=4,hidden_size=16,"
                       "num_hidden_layers=1,num_attention_heads=2,intermediate_size=32", attn_implementation="sdpa")  # fmt: skip
     model, _ = build_model(args, ["a", "b"])
     sdpa = plan.compile_key(run, run_args, model)
     model.config._attn_implementation = attention.NAME
     assert plan.compile_key(run, run_args, model) != sdpa
+
+
+def test_auto_calls_sdpa_directly_for_exactly_the_families_tested_equal_and_leaves_others_to_transformers(caplog):
+    """The default: sdpa_direct for the families whose logits and gradients the test above holds equal to
+    transformers' SDPA; any other family keeps transformers' pick (SDPA, else eager)."""
+    import transformers as tf
+
+    from vit_recipes.modeling import DIRECT_ATTENTION_FAMILIES, attention_for
+
+    tested = test_sdpa_direct_gives_transformers_sdpa_logits_and_gradients.pytestmark
+    families = next(mark.args[1] for mark in tested if mark.args[0] == "family")
+    assert set(DIRECT_ATTENTION_FAMILIES) == set(families)
+    caplog.set_level("INFO", logger="vit_recipes.modeling")
+    for family in families:
+        assert attention_for(tiny_config(family), "auto") == attention.NAME
+    assert "Attention: sdpa_direct (SDPA called directly: same results" in caplog.text
+    beit = tf.BeitConfig(image_size=16, patch_size=4, **VIT_LIKE)
+    convnext = tf.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    assert attention_for(beit, "auto") is None and attention_for(convnext, "auto") is None
+    assert attention_for(tiny_config("vit"), "sdpa") == "sdpa"  # asked for: kept

@@ -12,7 +12,7 @@ def test_pretrained_head_is_replaced_with_one_log_line(tiny_vit, caplog):
     assert image_size == 16
     assert model.classifier.out_features == 3
     assert model.config.id2label == {0: "a", 1: "b", 2: "c"} and model.config.label2id["c"] == 2
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "sdpa_direct"  # auto, for ViT: SDPA called directly
     heads = [r.getMessage() for r in caplog.records if "classification head" in r.getMessage()]
     assert heads == [f"Replacing the classification head: {tiny_vit} has 7 labels, this dataset 3"]
     # the backbone weights really came from the checkpoint

@@ -155,18 +155,32 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
         steps = planned_steps(args.training, train_images=5000, global_batch=plan.global_batch)
         key = decide_compile(plan, args, steps, model)
         lines = [r.getMessage() for r in caplog.records if "Regional compilation" in r.getMessage()]
-        return args.training.torch_compile_regions, args.training.torch_compile, lines, key, list(tf32)
+        graphs = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+        t = args.training
+        return t.torch_compile_regions, t.torch_compile, lines, key, list(tf32), t.torch_compile_mode, graphs
 
     short, medium, long = 200, COMPILE_PAYS_AFTER_STEPS_WARM, COMPILE_PAYS_AFTER_STEPS
     cache = tmp_path / "hf" / "vit_recipes" / "torch_compile"
     off = ("Regional compilation off: {} steps would not repay the compile (it pays from 1,000 steps, or 400 where the "
            "compile cache holds this model and batch; --torch_compile_regions true compiles anyway)")  # fmt: skip
-    assert resolved("cpu", long) == (None, False, [], None, [])
+    assert resolved("cpu", long)[:5] == (None, False, [], None, [])
     assert resolved("cuda", medium)[:3] == (None, False, [off.format(medium)])
-    on, compiled, lines, key, tf32_on = resolved("cuda", long)
+    on, compiled, lines, key, tf32_on = resolved("cuda", long)[:5]
     assert (on, compiled, lines) == (True, True, [
         f"Regional compilation on: {long:,} steps repay it (--torch_compile_regions false trains eagerly)"])  # fmt: skip
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
+    # Compiled on one GPU: CUDA graphs, said in one line; a mode asked for is kept (and keyed apart), and where graphs
+    # are untested (DDP, DeepSpeed, FSDP, recomputation, fp8) or the compile is the whole model's, torch's default
+    graphs_on = ("CUDA graphs on: each compiled layer launches its kernels as one graph (--torch_compile_mode "
+                 "reduce-overhead), as the step waits on the host's launches (--torch_compile_regions true "
+                 "--torch_compile_mode default compiles without them)")  # fmt: skip
+    assert resolved("cuda", long)[5:] == ("reduce-overhead", [graphs_on])
+    assert resolved("cuda", short, "--torch_compile_regions", "true")[5:] == ("reduce-overhead", [graphs_on])
+    default = resolved("cuda", long, "--torch_compile_regions", "true", "--torch_compile_mode", "default")
+    assert default[5:] == ("default", []) and default[3] != key
+    assert resolved("cuda", long, "--gradient_checkpointing", "true")[5:] == (None, [])
+    assert resolved("cuda", long, "--torch_compile", "true")[5:] == (None, [])
+    assert resolved("cpu", long, "--torch_compile_regions", "true")[5:] == (None, [])
     # The same TF32 setting as a compile asked for (TrainingArguments' rule), so both compute and cache the same graphs
     assert tf32_on == resolved("cuda", short, "--torch_compile_regions", "true")[4] == [True]
     assert resolved("cuda", short)[4] == []

@@ -56,9 +56,9 @@ class ModelArguments:
     cache_dir: str | None = _arg(None, "Where to cache Hub downloads.")
     attn_implementation: str = _arg(
         "auto",
-        "Attention kernel: 'auto' (SDPA where the model has it, else eager; one log line says which), 'sdpa', "
-        "'sdpa_direct' (the same SDPA kernel called without transformers' per-call checks, which serve language "
-        "models; same results and checkpoints) or 'eager'.",
+        "Attention kernel: 'auto' (ViT, DeiT, DINOv2 and Swin: sdpa_direct; other models SDPA where they have it, "
+        "else eager; one log line says which), 'sdpa', 'sdpa_direct' (the same SDPA kernel called without "
+        "transformers' per-call checks, which serve language models; same results and checkpoints) or 'eager'.",
     )
     drop_path_rate: float | None = _arg(
         None,

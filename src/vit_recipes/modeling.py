@@ -170,14 +170,24 @@ def runs_at(config: PretrainedConfig, size: int) -> bool:
         return False
 
 
+# Families whose logits and gradients under sdpa_direct are tested equal to transformers' SDPA (tests/test_attention.py):
+# 'auto' calls SDPA directly for them; others keep transformers' pick.
+DIRECT_ATTENTION_FAMILIES = ("vit", "deit", "dinov2", "swin")
+
+
 def attention_for(config: PretrainedConfig, asked: str) -> str | None:
-    """The attention implementation: 'auto' lets transformers pick (SDPA, else eager); 'sdpa' or 'sdpa_direct'
-    (vit_recipes.attention: the same kernel, called directly) where the class has no SDPA: one line."""
+    """The attention implementation: 'auto' calls SDPA directly (vit_recipes.attention: the same kernel without
+    transformers' per-call checks) for the families tested with it, else lets transformers pick (SDPA, else eager);
+    'sdpa' or 'sdpa_direct' where the class has no SDPA: one line."""
     model_class = classifier_class(config)
     has_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
     if config.model_type == "timm_wrapper" and asked != "auto":  # transformers only warns that timm ignores it
         raise RecipeError(f"--attn_implementation {asked}: timm models pick their own attention; drop the flag")
     if asked == "auto":
+        if has_sdpa and config.model_type in DIRECT_ATTENTION_FAMILIES:
+            logger.info("Attention: %s (SDPA called directly: same results; --attn_implementation sdpa for "
+                        "transformers' own call)", SDPA_DIRECT)  # fmt: skip
+            return SDPA_DIRECT
         logger.info("Attention: %s", "sdpa" if has_sdpa else f"eager ({model_class.__name__} has no SDPA kernel)")
         return None
     if asked in ("sdpa", SDPA_DIRECT) and not has_sdpa:

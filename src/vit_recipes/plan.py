@@ -29,6 +29,9 @@ FITS_WITHIN = 0.8
 COMPILE_PAYS_AFTER_STEPS = 1000
 COMPILE_PAYS_AFTER_STEPS_WARM = 400
 COMPILED_RECORD = "vit_recipes_compiled.json"  # in the compile cache: the runs whose artifacts it holds
+# torch.compile's mode for CUDA graphs: each compiled layer's kernels launched as one graph. A compiled step at the
+# recipe's batch waits on the host's launches, not the GPU (docs/benchmarks.md, "The step"); graphs remove the wait.
+CUDA_GRAPHS = "reduce-overhead"
 
 
 def load_deepspeed_config(value) -> tuple[dict, str]:
@@ -299,7 +302,28 @@ def decide_compile(plan: RunPlan, args: RunArguments, steps: int, model) -> str 
         compile_regions(t, after_init=True)
         eager_if_compile_fails()
         logger.warning(f"Regional compilation on: {why} (--torch_compile_regions false trains eagerly)")
-    return (key or compile_key(plan, args, model)) if t.torch_compile_regions else None
+    if not t.torch_compile_regions:
+        return None
+    if t.torch_compile_mode is None and (mode := compile_mode(plan, t)):
+        t.torch_compile_mode = mode
+        logger.warning(
+            "CUDA graphs on: each compiled layer launches its kernels as one graph (--torch_compile_mode %s), as the "
+            "step waits on the host's launches (--torch_compile_regions true --torch_compile_mode default compiles "
+            "without them)",
+            mode,
+        )
+    return key or compile_key(plan, args, model)
+
+
+def compile_mode(plan: RunPlan, t) -> str | None:
+    """torch.compile's mode for this run's regions: the one asked for, else CUDA graphs where they are known to train
+    as eager does (one process on a GPU, every layer's forward once a step), else torch's default (None).
+    Not under DDP, DeepSpeed or FSDP (their hooks and collectives run between the layers; untested with graphs),
+    gradient checkpointing (it runs a layer's forward again inside the backward) or --fp8 (untested)."""
+    if t.torch_compile_mode is not None:
+        return t.torch_compile_mode
+    eligible = plan.device == "cuda" and plan.strategy.name == "single"
+    return CUDA_GRAPHS if eligible and not (t.gradient_checkpointing or t.fp8) else None
 
 
 def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
@@ -315,7 +339,7 @@ def compile_key(plan: RunPlan, args: RunArguments, model) -> str:
     parts = [torch.__version__, triton_version, torch.cuda.get_device_name(), repr(model), config,
              t.per_device_train_batch_size, t.per_device_eval_batch_size, plan.precision,
              t.tf32, bool(t.gradient_checkpointing), plan.strategy.name, args.augment.patch_dropout,
-             model.config._attn_implementation]  # fmt: skip  # to_dict() leaves the attention out
+             model.config._attn_implementation, compile_mode(plan, t)]  # fmt: skip  # to_dict() leaves the attention out
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
