@@ -18,9 +18,10 @@ Hub (CIFAR-100-shaped PNGs, randomly initialised ViT-B/16 and ViT-H/14), then ch
   line `interrupted at step N; checkpoint-N saved`, and the same command resumes from checkpoint-N to those weights;
 - resume: DDP, ZeRO-1, ZeRO-2, FSDP2 checkpoints resumed on another GPU count (all -> 1 and 1 -> all, global batch
   kept): steps 11-30 within LOSS_TOLERANCE of the uninterrupted run's; ZeRO-3 on another count: its one-line refusal;
-- single (one GPU): the default command (short: eager, one line says why), --torch_compile_regions true, the
-  fine-tuning levers together, --patch_dropout 0.5, LoRA (saved, merged, reloaded),
-  multi-label, --class_weights balanced, predict-only from a trained folder, TE FP8 (where transformer_engine imports);
+- single (one GPU): the default command (short: eager, one line says why), --torch_compile_regions true (CUDA graphs,
+  one line says so, the eager run's loss at step 30), the fine-tuning levers together, --patch_dropout 0.5, LoRA
+  (saved, merged, reloaded), multi-label, --class_weights balanced, predict-only from a trained folder, TE FP8 (where
+  transformer_engine imports);
 - data: photos (JPEGs of 400-520 px) decoded per batch, and a stream of unequal parquet shards (--streaming), each
   under DDP and ZeRO-2 on every GPU: the log says which path, each killed (SIGKILL) after checkpoint-10 and resumed
   by the same command to the uninterrupted run's weights, pipeline() scores the saved models; and a copy of a few
@@ -711,6 +712,14 @@ def check_single(suite: Suite, add, ran) -> None:
         ok = suite.cpu or (compiled == want and (not why or any(line.startswith(why) for line in said)))
         add("single", check, name, ok,
             "eager (CPU)" if suite.cpu else f"card: {'compiled' if compiled else 'eager'}; {said[0] if said else 'no line'}")  # fmt: skip
+    if not suite.cpu and all(n in suite.jobs and ran("single", n) for n in ("default", "compiled")):
+        # Compiled on one GPU, the layers run as CUDA graphs (one line says so), and the loss is eager's
+        eager, compiled = losses(w / "default"), losses(w / "compiled")
+        rel = abs(compiled.get(STEPS, float("inf")) - eager.get(STEPS, 0.0)) / max(abs(eager.get(STEPS, 0.0)), 1e-12)
+        graphs = any("CUDA graphs on" in line for line in log_text(suite, "compiled").splitlines())
+        add("single", f"compiled on one GPU: CUDA graphs, one line says so, loss at step {STEPS} within "
+            f"{LOSS_TOLERANCE:.0%} of eager's", "compiled", graphs and rel <= LOSS_TOLERANCE,
+            f"{'CUDA graphs line' if graphs else 'no CUDA graphs line'}; {compiled.get(STEPS)} vs {eager.get(STEPS)}")  # fmt: skip
     if "patch-dropout" in suite.jobs and ran("single", "patch-dropout"):
         add("single", "--patch_dropout 0.5: trains", "patch-dropout", len(losses(w / "patch-dropout")) == STEPS,
             f"{len(losses(w / 'patch-dropout'))} steps logged")  # fmt: skip

@@ -667,7 +667,7 @@ def numerics(record: dict) -> list[str]:
         rows.append({"name": name, "windows": len(shared), "worst_window_end": worst, "worst_rel_diff": round(gap, 4),
                      "last_window": [round(reference[last], 4), round(means[last], 4)],
                      "within": gap <= NUMERICS_TOLERANCE})  # fmt: skip
-        lines.append(f"- `{name}`: mean loss of each {NUMERICS_WINDOW} steps within {100 * gap:.1f}% of "
+        lines.append(f"- `{name}`: mean loss of each {NUMERICS_WINDOW} steps within {100 * gap:.2f}% of "
                      f"`{NUMERICS_BASELINE}`'s (largest at step {worst}; steps {last - NUMERICS_WINDOW + 1}-{last}: "
                      f"{means[last]:.3f} against {reference[last]:.3f}): "
                      + ("within" if gap <= NUMERICS_TOLERANCE else "**outside**")

@@ -251,6 +251,18 @@ def test_the_compile_checks_read_the_line_after_the_log_prefix_and_the_card(acce
     assert rows[again] == "PASS"
     run("default-again", True, "Regional compilation on: 400 steps repay it (...)")  # compiled cold: the cache missed
     assert {r["check"]: r["status"] for r in acceptance.check(suite)}[again] == "FAIL"
+    # Compiled on one GPU: CUDA graphs said in one line, and the eager run's loss
+    graphs = "compiled on one GPU: CUDA graphs, one line says so, loss at step 30 within 3% of eager's"
+    assert rows[graphs] == "FAIL"  # no losses, no line
+    fake_run(tmp_path / "default", {30: 2.60})
+    fake_run(tmp_path / "compiled", {30: 2.61})
+    run("compiled", True, "CUDA graphs on: each compiled layer launches its kernels as one graph (...)")
+    assert {r["check"]: r["status"] for r in acceptance.check(suite)}[graphs] == "PASS"
+    fake_run(tmp_path / "compiled", {30: 2.80})  # 8% off eager
+    assert {r["check"]: r["status"] for r in acceptance.check(suite)}[graphs] == "FAIL"
+    fake_run(tmp_path / "compiled", {30: 2.61})
+    run("compiled", True, "")
+    assert {r["check"]: r["status"] for r in acceptance.check(suite)}[graphs] == "FAIL"
     run("default", True, "Regional compilation on: 30 steps repay it")
     run("compiled", False, "")
     rows = {r["check"]: r["status"] for r in acceptance.check(suite)}

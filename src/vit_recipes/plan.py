@@ -30,7 +30,8 @@ COMPILE_PAYS_AFTER_STEPS = 1000
 COMPILE_PAYS_AFTER_STEPS_WARM = 400
 COMPILED_RECORD = "vit_recipes_compiled.json"  # in the compile cache: the runs whose artifacts it holds
 # torch.compile's mode for CUDA graphs: each compiled layer's kernels launched as one graph. A compiled step at the
-# recipe's batch waits on the host's launches, not the GPU (docs/benchmarks.md, "The step"); graphs remove the wait.
+# recipe's batch waits on the host's launches, not the GPU (docs/benchmarks.md, "The bare step against the
+# recipe's"); graphs remove the wait.
 CUDA_GRAPHS = "reduce-overhead"
 
 
