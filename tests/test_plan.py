@@ -179,6 +179,9 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
     default = resolved("cuda", long, "--torch_compile_regions", "true", "--torch_compile_mode", "default")
     assert default[5:] == ("default", []) and default[3] != key
     assert resolved("cuda", long, "--gradient_checkpointing", "true")[5:] == (None, [])
+    assert resolved("cuda", long, "--fp8", "true")[5:] == (None, [])
+    zero2 = ("--deepspeed", str(ROOT / "ds_configs/zero2.json"))
+    assert resolved("cuda", long, *zero2)[:2] == (True, True) and resolved("cuda", long, *zero2)[5:] == (None, [])
     assert resolved("cuda", long, "--torch_compile", "true")[5:] == (None, [])
     assert resolved("cpu", long, "--torch_compile_regions", "true")[5:] == (None, [])
     # The same TF32 setting as a compile asked for (TrainingArguments' rule), so both compute and cache the same graphs
