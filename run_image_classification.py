@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. Data: splits with integer labels (ClassLabel names, or sorted values); predicting alone needs none.
     with training.main_process_first(desc="loading the dataset"):
-        splits = load_data(args)
+        splits = load_data(args, plan.model)
     timeline.mark("data")
 
     # 4. Model with a head for these labels (seeded: a new head starts random); full, LoRA or head only.
     transformers.set_seed(training.seed)
-    model, image_size, finetune = build_finetune_model(args.model, args.lora, training, splits.label_names)
+    model, image_size, finetune = build_finetune_model(args.model, args.lora, training, splits.label_names, plan.model)
     check_model(plan.strategy, model)  # FSDP2's wrap list, ZeRO++'s quantized weights vs the head
     convert_to_fp8(model, training)  # --fp8: the transformer's linear layers run their matmuls in FP8
     add_patch_dropout(model, args.augment.patch_dropout, image_size)  # training forwards: a random subset of patches

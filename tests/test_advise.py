@@ -141,7 +141,8 @@ def test_an_unreachable_hub_id_is_one_line_without_the_downloads_retries(monkeyp
     import huggingface_hub
     import transformers
 
-    from vit_recipes import hub, memory
+    from vit_recipes import facts
+    from vit_recipes import hub
     from vit_recipes.errors import RecipeError
 
     http = importlib.import_module(huggingface_hub.errors.HTTPError.__module__)  # httpx (hub 1.x) or httpx2 (2.x)
@@ -157,4 +158,4 @@ def test_an_unreachable_hub_id_is_one_line_without_the_downloads_retries(monkeyp
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", download)
     with pytest.raises(RecipeError, match="^could not reach the Hugging Face Hub to download the config of 'org/vit'"):
-        memory.load_config("org/vit")
+        facts.load_config("org/vit")

@@ -181,8 +181,8 @@ def test_the_memory_advisor_and_the_flop_count_size_each_family(family):
     and FLOPs of one forward at the input size (ResNet's from its processor: its config has none)."""
     from transformers import AutoModelForImageClassification
 
+    from vit_recipes.facts import model_size
     from vit_recipes.flops import forward_flops
-    from vit_recipes.memory import model_size
 
     config = tiny(family)[0]
     params, largest = model_size(config)
@@ -196,14 +196,14 @@ def test_the_image_processor_of_a_hub_model_is_fetched_once_for_the_size_and_the
     which reads it again for mean/std (the Hub's answer, offline or not, takes a round trip)."""
     from transformers import AutoImageProcessor
 
-    from vit_recipes import modeling
+    from vit_recipes import facts, modeling
 
     processor = tiny("dinov2")[1]
     asked = []
-    modeling._load_processor.cache_clear()
+    facts._load_processor.cache_clear()
     monkeypatch.setattr(AutoImageProcessor, "from_pretrained", lambda name, **kw: asked.append(name) or processor)
     args = types.SimpleNamespace(model_name_or_path="someone/dinov2-tiny", image_processor_name=None, cache_dir=None)
-    assert modeling.processor_image_size(args) == 32 and modeling.mean_std(args)[0] == tuple(processor.image_mean)
+    assert facts.processor_image_size(args) == 32 and modeling.mean_std(args)[0] == tuple(processor.image_mean)
     assert asked == ["someone/dinov2-tiny"]
 
 
@@ -217,6 +217,8 @@ def test_dinov2_trains_at_its_processors_size_and_a_model_that_cannot_keeps_its_
     import torch
     from transformers import AutoModelForImageClassification
 
+    from vit_recipes.classifiers import classifier_class
+    from vit_recipes.facts import ModelFacts, processor_image_size
     from vit_recipes.modeling import training_image_size
 
     deit, deit_processor = tiny("deit")
@@ -225,7 +227,8 @@ def test_dinov2_trains_at_its_processors_size_and_a_model_that_cannot_keeps_its_
     deit_processor.save_pretrained(tmp_path / "deit")
     args = types.SimpleNamespace(model_name_or_path=str(tmp_path / "deit"), image_processor_name=None, cache_dir=None)
     caplog.set_level("WARNING", logger="vit_recipes.modeling")
-    assert training_image_size(args, deit, "deit") == 32
+    facts = ModelFacts("deit", deit, True, classifier_class(deit), processor_image_size(args))
+    assert training_image_size(facts) == 32
     assert "feeds it 48 px, but DeiTForImageClassification runs only at its config's image_size 32" in caplog.text
     torch.manual_seed(0)
     config, processor = tiny("dinov2")
@@ -393,8 +396,8 @@ def test_timm_refusals_and_sizes(kind, cifar_like, tmp_path, run_script, monkeyp
 
     from vit_recipes.checks import check_fsdp_wrap
     from vit_recipes.errors import RecipeError
+    from vit_recipes.facts import model_size
     from vit_recipes.flops import forward_flops
-    from vit_recipes.memory import model_size
     from vit_recipes.plan import read_strategy
 
     source = timm_checkpoint(kind, tmp_path / kind)

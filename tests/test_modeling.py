@@ -130,12 +130,12 @@ def test_a_hidden_size_the_head_count_does_not_divide_is_refused():
 def test_config_overrides_next_to_a_checkpoint_say_they_are_ignored(tiny_vit, caplog):
     from types import SimpleNamespace
 
-    from vit_recipes.memory import config_from_args
+    from vit_recipes.facts import config_from_args
 
     args = SimpleNamespace(model_name_or_path=str(tiny_vit), config_overrides="image_size=64,patch_size=8",
                            cache_dir=None, model_revision="main")  # fmt: skip
     with caplog.at_level("WARNING"):
         config, pretrained = config_from_args(args)
-        config_from_args(args)  # the plan, the checks and the model each read it: said once
+        config_from_args(args)  # once a process (a run reads the config once, in its plan): said once
     assert pretrained and config.image_size != 64
     assert caplog.text.count("--config_overrides (image_size=64,patch_size=8) is ignored") == 1

@@ -79,11 +79,20 @@ def test_rate_outside_zero_to_one_is_one_line():
 
 
 @pytest.mark.slow
-def test_a_run_with_patch_dropout_trains_evaluates_and_says_so(cifar_like, tiny_vit, tmp_path, run_script, capsys):
+def test_a_run_with_patch_dropout_trains_evaluates_and_says_so_reading_the_config_once(
+    cifar_like, tiny_vit, tmp_path, run_script, capsys, monkeypatch
+):
+    """The model's config is read once a run, by the plan (vit_recipes.facts.ModelFacts): the memory estimate, the
+    family check that --patch_dropout asks for and the model's building each read it again before."""
     from conftest import run_args
+    from transformers import AutoConfig
 
-    out = tmp_path / "run"
+    out, read, from_pretrained = tmp_path / "run", [], AutoConfig.from_pretrained
+    monkeypatch.setattr(
+        AutoConfig, "from_pretrained", lambda name, **kw: read.append(name) or from_pretrained(name, **kw)
+    )
     results = run_script(*run_args(cifar_like, tiny_vit, out, "--max_steps", "4", "--patch_dropout", "0.5"))
+    assert read == [str(tiny_vit)]
     assert results["train_loss"] > 0 and "eval_accuracy" in results
     assert "--patch_dropout 0.5: training images keep 8 of 16 patches; evaluation sees all" in capsys.readouterr().out
     assert "| patch_dropout | 0.5 |" in (out / "README.md").read_text()

@@ -251,6 +251,7 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
     less fits says so in one line."""
     import torch
 
+    from vit_recipes.facts import read_model_facts
     from vit_recipes.memory import estimate, model_shape
     from vit_recipes.plan import FITS_WITHIN, advise_memory
 
@@ -274,7 +275,7 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
         gpu["bytes"] = memory
         caplog.clear()
         caplog.set_level("INFO", logger="vit_recipes.plan")
-        strategy = advise_memory(args, strategy, "bf16")
+        strategy = advise_memory(args, strategy, "bf16", read_model_facts(args.model))
         return (
             args.training.gradient_checkpointing,
             [r.getMessage() for r in caplog.records if r.name == "vit_recipes.plan"],
@@ -311,7 +312,7 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
     advised("zero3", 2 * ddp.total / FITS_WITHIN)
     advised("single", between)
     assert asked == [("ddp", "zero1", "zero2", "fsdp2", "zero3"), ("ddp",)]
-    monkeypatch.setattr(plan, "config_from_args", lambda *a: pytest.fail("the model's config was read"))
+    monkeypatch.setattr(plan, "model_shape", lambda *a: pytest.fail("the model's shape was built"))
     assert advised("single", between, "--gradient_checkpointing", "true")[:2] == (True, [])
     assert advised("ddp", between, "--gradient_checkpointing", "false")[:2] == (False, [])
 

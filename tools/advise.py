@@ -37,7 +37,8 @@ import argparse
 import sys
 
 from vit_recipes.errors import RecipeError
-from vit_recipes.memory import GIB, PREFERENCE, Estimate, ModelShape, estimate, gib, load_config, model_shape
+from vit_recipes.facts import load_config
+from vit_recipes.memory import GIB, PREFERENCE, Estimate, ModelShape, estimate, gib, model_shape
 
 
 def fits(e: Estimate, gpu_bytes: float) -> str:

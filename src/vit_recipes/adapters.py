@@ -133,7 +133,7 @@ def save_final_model(trainer, setup: FinetuneSetup) -> None:
         write_base_record(output_dir, setup)
     if trainer.is_world_process_zero() and setup.merge_adapter:  # the adapter becomes a plain model: base + update
         with swapped(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None):  # the base whole, even in ZeRO-3
-            base, _ = build_model(setup.base_args, setup.label_names)
+            base, _ = build_model(setup.base_args, setup.label_names, setup.base_facts)
             adapter = attach_adapter(base, output_dir, base_source=setup.base_args.model_name_or_path)
             merged = adapter.merge_and_unload()
         for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS, BASE_RECORD):

@@ -36,11 +36,11 @@ from .decoding import (
     storage_format,
 )
 from .errors import RecipeError, first_line
+from .facts import ModelFacts, read_model_facts
 from .figures import FigureProcess
 from .flops import peak_flops, training_flops_per_image
 from .hub import hub_error_message
 from .images import LOST
-from .memory import load_config
 from .meter import SpeedMeter
 from .metrics import make_compute_metrics
 from .modeling import FinetuneSetup, evaluation_processor
@@ -73,11 +73,12 @@ def setup_logging(training_args) -> None:
     )
 
 
-def load_data(args: RunArguments) -> ImageSplits:
-    """The dataset's splits with integer labels; with no dataset (predicting only), the model's labels."""
+def load_data(args: RunArguments, facts: ModelFacts | None = None) -> ImageSplits:
+    """The dataset's splits with integer labels; with no dataset (predicting only), the model's labels (from `facts`,
+    the plan's)."""
     if not args.data.dataset_name:
-        config = load_config(args.model.model_name_or_path, args.model.cache_dir, args.model.model_revision)
-        return labels_of_model(args.model.model_name_or_path, config)
+        facts = facts or read_model_facts(args.model, labels=True)
+        return labels_of_model(args.model.model_name_or_path, facts.labels())
     training = args.training
     if args.data.streaming and training.do_train:
         splits = load_stream_splits(args.data, training, args.model.cache_dir)
