@@ -82,13 +82,13 @@ def test_every_row_of_the_reliability_table_names_a_test_that_exists():
 
 def test_unwrapping_a_model_does_not_import_deepspeed(monkeypatch):
     """accelerate's unwrap, which the Trainer calls, imports DeepSpeed to check for its engine (0.5 s of each run):
-    vit_recipes.lazy_deepspeed makes it check only once deepspeed is imported, as no engine exists before."""
+    vit_recipes.train.lazy_deepspeed makes it check only once deepspeed is imported, as no engine exists before."""
     import sys
 
     import torch
     from accelerate.utils import extract_model_from_parallel
 
-    import vit_recipes.trainer  # noqa: F401  imports vit_recipes.lazy_deepspeed, where the check is replaced
+    import vit_recipes.train.trainer  # noqa: F401  imports vit_recipes.train.lazy_deepspeed, where the check is replaced
 
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -97,7 +97,7 @@ def test_unwrapping_a_model_does_not_import_deepspeed(monkeypatch):
 
 
 def test_accelerates_unwrap_still_asks_for_deepspeed_through_the_name_we_replace():
-    """The upstream shape vit_recipes.lazy_deepspeed relies on: accelerate's unwrap reads `is_deepspeed_available`
+    """The upstream shape vit_recipes.train.lazy_deepspeed relies on: accelerate's unwrap reads `is_deepspeed_available`
     from its module's globals and imports deepspeed when it answers yes. Fails when accelerate changes either: the
     patch then does nothing (find the new place) or is no longer needed (delete it)."""
     import inspect
@@ -105,7 +105,7 @@ def test_accelerates_unwrap_still_asks_for_deepspeed_through_the_name_we_replace
     import accelerate.utils.imports
     import accelerate.utils.other
 
-    from vit_recipes import lazy_deepspeed
+    from vit_recipes.train import lazy_deepspeed
 
     unwrap = accelerate.utils.other.extract_model_from_parallel
     assert "is_deepspeed_available" in unwrap.__code__.co_names
@@ -128,7 +128,7 @@ def test_no_class_or_function_of_the_package_runs_over_120_lines():
 
 
 def test_run_code_patches_no_field_with_a_test_framework():
-    """unittest.mock belongs to tests: a field swapped around an upstream call uses vit_recipes.swap.swapped."""
+    """unittest.mock belongs to tests: a field swapped around an upstream call uses vit_recipes.core.swap.swapped."""
     users = []
     for path in [*PACKAGE.glob("*.py"), ROOT / "run_image_classification.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -143,7 +143,7 @@ def test_a_swapped_field_is_restored_however_the_block_ends():
 
     import pytest
 
-    from vit_recipes.swap import swapped
+    from vit_recipes.core.swap import swapped
 
     args = types.SimpleNamespace(dataloader_drop_last=True)
     with swapped(args, "dataloader_drop_last", False):

@@ -1,4 +1,4 @@
-"""`--attn_implementation sdpa_direct` (vit_recipes/attention.py): the same logits and gradients as transformers'
+"""`--attn_implementation sdpa_direct` (vit_recipes/model/attention.py): the same logits and gradients as transformers'
 own SDPA for every family that looks its attention up in transformers' AttentionInterface, without taking
 transformers' function; checkpoints trained with it load in plain transformers."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import model_args, tiny_vit_config
 
-from vit_recipes import attention
-from vit_recipes.classifiers import classifier_class
-from vit_recipes.errors import RecipeError
-from vit_recipes.modeling import attention_for, build_model
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.model import attention
+from vit_recipes.model.classifiers import classifier_class
+from vit_recipes.model.modeling import attention_for, build_model
 
 VIT_LIKE = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, num_labels=3)
 
@@ -122,7 +122,7 @@ def test_the_compile_caches_key_tells_the_attention_apart(monkeypatch):
     """Compiled artifacts of one attention are no warm cache for the other: the key (plan.compile_key) differs."""
     from types import SimpleNamespace
 
-    from vit_recipes import plan
+    from vit_recipes.plan import plan
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")  # the key names the GPU it compiled for
     training = SimpleNamespace(per_device_train_batch_size=8, per_device_eval_batch_size=8, tf32=None,

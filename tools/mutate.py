@@ -55,7 +55,7 @@ WRONG_SOURCE = 99  # a run's exit code when the package did not come from its co
 
 @dataclass
 class Mutation:
-    module: str  # a module of src/vit_recipes (decoding), or a path under src/ (src/vit_recipes/decoding.py)
+    module: str  # a module of src/vit_recipes by name (decoding, in whichever folder), or a path under src/
     id: str  # unique within its module; cited as module/id
     removes: str  # the behaviour the mutation removes, in one line
     original: str  # text within one line of the module, found there exactly once
@@ -69,7 +69,11 @@ class Mutation:
 
     @property
     def path(self) -> Path:
-        return ROOT / (self.module if "/" in self.module else f"src/vit_recipes/{self.module}.py")
+        """The module's file: a name is found in whichever folder of the package holds it (names are unique there)."""
+        if "/" in self.module:
+            return ROOT / self.module
+        found = sorted((ROOT / "src" / "vit_recipes").rglob(f"{self.module}.py"))
+        return found[0] if len(found) == 1 else ROOT / f"src/vit_recipes/{self.module}.py"
 
 
 @dataclass

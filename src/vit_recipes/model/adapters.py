@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arguments import ModelArguments
-from .errors import RecipeError
+from ..core.arguments import ModelArguments
+from ..core.errors import RecipeError
+from ..core.swap import swapped
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD, adapter_base, attach_adapter, is_adapter_dir
 from .modeling import FinetuneSetup, build_model
-from .swap import swapped
 
 logger = logging.getLogger(__name__)
 

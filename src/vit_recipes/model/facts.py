@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 from transformers import AutoImageProcessor, PretrainedConfig
 from transformers.utils import logging
 
+from ..core.errors import RecipeError, first_line
+from ..core.hub import check_local_path, offline_env, reachable_or_cached, written_as_path
 from .classifiers import classifier_class
-from .errors import RecipeError, first_line
-from .hub import check_local_path, offline_env, reachable_or_cached, written_as_path
 from .lora import adapter_base, is_adapter_dir
 
 logger = logging.get_logger(__name__)  # transformers': it has warning_once

@@ -14,10 +14,10 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto import modeling_auto
 from transformers.utils import logging as hf_logging
 
-from .arguments import LoraArguments, ModelArguments
+from ..core.arguments import LoraArguments, ModelArguments
+from ..core.errors import RecipeError, first_line
 from .attention import NAME as SDPA_DIRECT  # importing it registers it with transformers' AttentionInterface
 from .classifiers import classifier_class
-from .errors import RecipeError, first_line
 from .facts import ModelFacts, image_processor, read_model_facts
 from .levers import add_drop_path
 from .lora import adapter_base, apply_lora, attach_adapter, base_signature, freeze_backbone, is_adapter_dir, unwrap
@@ -173,7 +173,7 @@ def runs_at(config: PretrainedConfig, size: int) -> bool:
 
 def attention_for(config: PretrainedConfig, asked: str) -> str | None:
     """The attention implementation: 'auto' lets transformers pick (SDPA, else eager); 'sdpa' or 'sdpa_direct'
-    (vit_recipes.attention: the same kernel, called directly) where the class has no SDPA: one line."""
+    (vit_recipes.model.attention: the same kernel, called directly) where the class has no SDPA: one line."""
     model_class = classifier_class(config)
     has_sdpa = bool(getattr(model_class, "_supports_sdpa", False))
     if config.model_type == "timm_wrapper" and asked != "auto":  # transformers only warns that timm ignores it

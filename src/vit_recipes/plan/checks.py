@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .data import resolve_source
-from .errors import RecipeError
-from .hub import (
+from ..core.errors import RecipeError
+from ..core.hub import (
     LOCAL_BUILDERS,
     check_local_path,
     check_push_ready,
@@ -23,10 +22,11 @@ from .hub import (
     reachable_or_cached,
     written_as_path,
 )
-from .launch import is_true, visible_gpus
-from .levers import add_drop_path, transformer_layers
+from ..core.launch import is_true, visible_gpus
+from ..data.data import resolve_source
+from ..model.levers import add_drop_path, transformer_layers
+from ..model.patch_dropout import token_embeddings
 from .memory import host_memory_for
-from .patch_dropout import token_embeddings
 from .run_dir import WRITE_PROBE
 
 

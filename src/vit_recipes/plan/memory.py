@@ -3,8 +3,8 @@ tools/advise.py prints the table (its docstring gives the formulas); plan.py and
 
 from dataclasses import dataclass
 
-from .errors import RecipeError
-from .facts import model_size
+from ..core.errors import RecipeError
+from ..model.facts import model_size
 from .strategies import STRATEGIES, StrategySpec
 
 GIB = 2**30

@@ -11,15 +11,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..core.arguments import RunArguments, compile_cache_dir, compile_regions, run_config, set_checkpointing
+from ..core.errors import RecipeError, first_line
+from ..core.launch import bind_deepspeed_comm, env_int, is_true, launch_notes
+from ..model.facts import ModelFacts, read_model_facts
+from ..model.lora import is_adapter_dir
+from ..model.modeling import training_image_size
 from . import strategies
-from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config, set_checkpointing
 from .checks import check_plan, config_value, deepspeed_checkpoint_world_size, turned_on
-from .errors import RecipeError, first_line
-from .facts import ModelFacts, read_model_facts
-from .launch import bind_deepspeed_comm, env_int, is_true, launch_notes
-from .lora import is_adapter_dir
 from .memory import PREFERENCE, estimate, gib, model_shape
-from .modeling import training_image_size
 from .run_dir import OutputState, lock_output_dir, remove_checkpoints, resolve_output_dir, to_universal
 
 logger = logging.getLogger(__name__)
