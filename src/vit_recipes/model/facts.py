@@ -151,8 +151,11 @@ def read_model_facts(model_args, labels: bool = False) -> ModelFacts:
             model_args = replace(model_args, model_name_or_path=adapter_base(path))
         config, pretrained = config_from_args(model_args)
         problem = None
-    except Exception as err:  # noqa: BLE001 - kept for build_model to raise, see ModelFacts.problem
-        config, pretrained, problem = None, False, err
+    except (RecipeError, ValueError, OSError, AttributeError, KeyError) as err:  # kept: see ModelFacts.problem
+        # Kept without its traceback and the error it replaced: their frames reach the caller's (the plan's
+        # arguments, a ZeRO-3 config's global reference among them) and would keep them alive with the plan.
+        err.__context__ = err.__cause__ = None
+        config, pretrained, problem = None, False, err.with_traceback(None)
     try:
         classifier = classifier_class(config) if config is not None else None
     except KeyError:  # not an image-classification config: build_model's check_config says so
