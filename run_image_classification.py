@@ -16,17 +16,18 @@ import sys
 
 import transformers
 
-from vit_recipes import launch
-from vit_recipes.arguments import parse_args
-from vit_recipes.checks import check_hub, check_model
-from vit_recipes.data import imbalance
-from vit_recipes.decoding import note_skipped_during_run, prepare_images, share_cores_with_workers
-from vit_recipes.errors import RecipeError
-from vit_recipes.fp8 import convert_to_fp8
-from vit_recipes.interrupt import RunInterrupted
-from vit_recipes.modeling import build_finetune_model, mean_std
-from vit_recipes.patch_dropout import add_patch_dropout
-from vit_recipes.plan import build_plan, configure, decide_compile, planned_steps, warn_if_warmup_outlasts_the_run
+from vit_recipes.core import launch
+from vit_recipes.core.arguments import parse_args
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.core.interrupt import RunInterrupted
+from vit_recipes.data.data import imbalance
+from vit_recipes.data.decoding import note_skipped_during_run, prepare_images, share_cores_with_workers
+from vit_recipes.data.streaming import is_stream, plan_stream_steps, stream_rows
+from vit_recipes.model.fp8 import convert_to_fp8
+from vit_recipes.model.modeling import build_finetune_model, mean_std
+from vit_recipes.model.patch_dropout import add_patch_dropout
+from vit_recipes.plan.checks import check_hub, check_model
+from vit_recipes.plan.plan import build_plan, configure, decide_compile, planned_steps, warn_if_warmup_outlasts_the_run
 from vit_recipes.steps import (
     build_trainer,
     evaluate,
@@ -40,8 +41,7 @@ from vit_recipes.steps import (
     train,
     write_run_reports,
 )
-from vit_recipes.streaming import is_stream, plan_stream_steps, stream_rows
-from vit_recipes.timeline import Timeline
+from vit_recipes.train.timeline import Timeline
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. Data: splits with integer labels (ClassLabel names, or sorted values); predicting alone needs none.
     with training.main_process_first(desc="loading the dataset"):
-        splits = load_data(args)
+        splits = load_data(args, plan.model)
     timeline.mark("data")
 
     # 4. Model with a head for these labels (seeded: a new head starts random); full, LoRA or head only.
     transformers.set_seed(training.seed)
-    model, image_size, finetune = build_finetune_model(args.model, args.lora, training, splits.label_names)
+    model, image_size, finetune = build_finetune_model(args.model, args.lora, training, splits.label_names, plan.model)
     check_model(plan.strategy, model)  # FSDP2's wrap list, ZeRO++'s quantized weights vs the head
     convert_to_fp8(model, training)  # --fp8: the transformer's linear layers run their matmuls in FP8
     add_patch_dropout(model, args.augment.patch_dropout, image_size)  # training forwards: a random subset of patches

@@ -59,8 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # run as a file (make test-gpu): the package and benchmarks/
 
 from benchmarks import common  # noqa: E402
-from vit_recipes.memory import AUTOCAST  # noqa: E402
-from vit_recipes.strategies import BY_NAME  # noqa: E402
+from vit_recipes.plan.memory import AUTOCAST  # noqa: E402
+from vit_recipes.plan.strategies import BY_NAME  # noqa: E402
 
 PARTS = ("strategies", "kill", "resume", "single", "vith", "data")
 DATA = {"photos": (), "stream": ("--streaming", "true", "--shuffle_buffer_size", "0")}  # the data part's sources
@@ -92,7 +92,7 @@ STRATEGY_RUNS = {
 # The same runs under the recipe's own warm-up (its first STEPS steps: learning rates of at most 6e-6), where a
 # strategy that keeps bf16 weights (DeepSpeed's bf16 mode) loses the small updates that DDP's fp32 weights keep:
 # benchmarks/results/2026-11-27_zero_precision_2xH200 measured ZeRO-2/3 up to 8% above DDP's loss there.
-WARM_STEPS = 400  # vit_recipes.plan.COMPILE_PAYS_AFTER_STEPS_WARM: a run this long compiles from a warm cache
+WARM_STEPS = 400  # vit_recipes.plan.plan.COMPILE_PAYS_AFTER_STEPS_WARM: a run this long compiles from a warm cache
 WARMUP = ("ddp", "zero2", "zero3", "zeropp", "fsdp2")
 WARMUP_ARGS = ("--warmup_steps", "500", "--lr_scheduler_type", "cosine", "--save_strategy", "no")
 KILLED = ("ddp", "zero2", "zero3", "fsdp2")
@@ -697,7 +697,7 @@ def check_single(suite: Suite, add, ran) -> None:
         # The card's hyperparameters hold the resolved setting; the log says why
         card = (w / name / "README.md").read_text() if (w / name / "README.md").is_file() else ""
         compiled = bool(re.search(r"\| torch_compile_regions \| True \|", card))
-        # the message after the log prefix ("12:00:00 WARNING vit_recipes.plan: ")
+        # the message after the log prefix ("12:00:00 WARNING vit_recipes.plan.plan: ")
         said = [line[line.index("Regional compilation"):] for line in log_text(suite, name).splitlines()
                 if "Regional compilation" in line]  # fmt: skip
         why = {
@@ -844,7 +844,7 @@ def check_odd(suite: Suite, add, ran) -> None:
 
 def check_zero3_as_typed(suite: Suite, add) -> None:
     """The README's zero3 command as typed (the config's 8 processes) on fewer GPUs: the processes past the GPUs exit
-    before the process group (vit_recipes.launch.step_aside), the others train, one line says so, and nothing of the
+    before the process group (vit_recipes.core.launch.step_aside), the others train, one line says so, and nothing of the
     launcher follows (it was our refusal, then accelerate's ChildFailedError report of ~40 lines)."""
     name, gpus = "vith-as-typed", suite.procs
     if name not in suite.jobs:

@@ -54,7 +54,8 @@ def code_fingerprint(*extra: Path) -> str:
     import hashlib
 
     digest = hashlib.sha1()
-    for file in [ROOT / SCRIPT, ROOT / PEER_SCRIPT, *extra, *sorted((ROOT / "src" / "vit_recipes").glob("*.py"))]:
+    package = sorted((ROOT / "src" / "vit_recipes").rglob("*.py"))  # its folders' modules too
+    for file in [ROOT / SCRIPT, ROOT / PEER_SCRIPT, *extra, *package]:
         if file.is_file():
             digest.update(file.name.encode() + b"\0" + file.read_bytes())
     return digest.hexdigest()[:16]

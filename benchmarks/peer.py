@@ -56,10 +56,10 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the meter, without an install
 
-from vit_recipes.errors import first_line  # noqa: E402
-from vit_recipes.flops import peak_flops, training_flops_per_image  # noqa: E402
-from vit_recipes.meter import SpeedMeter  # noqa: E402
-from vit_recipes.timeline import seconds_since_start  # noqa: E402
+from vit_recipes.core.errors import first_line  # noqa: E402
+from vit_recipes.model.flops import peak_flops, training_flops_per_image  # noqa: E402
+from vit_recipes.train.meter import SpeedMeter  # noqa: E402
+from vit_recipes.train.timeline import seconds_since_start  # noqa: E402
 
 logger = logging.getLogger("peer")
 

@@ -12,7 +12,7 @@ run entry's strategy/precision/gpus/batch may be lists: their product becomes ru
 as "vit-base-{strategy}-b{batch}"). Paths under `bench_assets/` move to --assets. Each run is
 run_image_classification.py (or, with `peer: true`, transformers' example script, benchmarks/peer.py) for a fixed
 number of steps through the launcher its strategy needs: single -> python; ddp -> accelerate launch --multi_gpu (or
-torchrun); every other strategy -> accelerate launch --config_file with its row of vit_recipes/strategies.py. The
+torchrun); every other strategy -> accelerate launch --config_file with its row of vit_recipes/plan/strategies.py. The
 script's steady-state figures (warm-up skipped, meter.SpeedMeter) become the run's `metrics`. A run that fails, runs
 out of memory or times out is recorded as failed with the line that says why; after an out-of-memory failure the
 larger batches of that configuration are skipped. `decode: true` runs the command twice with one fresh
@@ -51,7 +51,7 @@ from benchmarks import common, report  # noqa: E402
 from benchmarks.common import ROOT, SCRIPT, display_command  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "src"))  # the runs use the checkout's package (common.run_env): so does the runner
-from vit_recipes import strategies  # noqa: E402
+from vit_recipes.plan import strategies  # noqa: E402
 
 SUITES = ROOT / "benchmarks" / "suites"
 SCHEMA_VERSION = 2

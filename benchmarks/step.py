@@ -9,8 +9,8 @@
 Bare model: ViT-B/16 from random init (seed 0, so every variant starts from the same weights), 224 px, 100 classes,
 synthetic tensors already on the GPU, fused AdamW; `--warmup` steps (compilation lands there), then `--steps` timed
 steps between two CUDA synchronisations, at each of `--batches`. transformers' models are built by the recipe's own
-`vit_recipes.modeling.build_model` (its attention choice, its patch-embedding matmul) and compiled by accelerate's
-`compile_regions`, the function the recipe's regional compilation calls. MFU: `vit_recipes.flops`' count (3 x the
+`vit_recipes.model.modeling.build_model` (its attention choice, its patch-embedding matmul) and compiled by accelerate's
+`compile_regions`, the function the recipe's regional compilation calls. MFU: `vit_recipes.model.flops`' count (3 x the
 forward) against its peak. Each variant runs in its own process (`--worker`), so an out-of-memory or a failing
 compile is that variant's error and the suite goes on; a variant whose estimated time no longer fits `--budget` is
 skipped. Order: the core variants, then the recipe runs, then the rest (`--list`). `fsdp2-mp-regions` and
@@ -112,9 +112,9 @@ def vit_config(tiny: bool, labels: int = 100) -> str:
 
 
 def build_hf(variant: Variant, tiny: bool, labels: int):
-    """transformers' ViTForImageClassification as the recipe builds it (vit_recipes.modeling.build_model)."""
-    from vit_recipes.arguments import ModelArguments
-    from vit_recipes.modeling import build_model
+    """transformers' ViTForImageClassification as the recipe builds it (vit_recipes.model.modeling.build_model)."""
+    from vit_recipes.core.arguments import ModelArguments
+    from vit_recipes.model.modeling import build_model
 
     args = ModelArguments(model_name_or_path=None, config_name="vit", config_overrides=vit_config(tiny) or None,
                           attn_implementation=variant.attention)  # fmt: skip
@@ -215,7 +215,7 @@ def measure_variant(variant: Variant, batches: list[int], warmup: int, steps: in
                     result_file: Path | None) -> dict:  # fmt: skip
     import torch
 
-    from vit_recipes.flops import peak_flops, training_flops_per_image
+    from vit_recipes.model.flops import peak_flops, training_flops_per_image
 
     torch.manual_seed(0)
     model, forward, config = build(variant, tiny)
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def compile_cache() -> str:
     sys.path.insert(0, str(ROOT / "src"))
-    from vit_recipes.arguments import compile_cache_dir
+    from vit_recipes.core.arguments import compile_cache_dir
 
     return compile_cache_dir()
 

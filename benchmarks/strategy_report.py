@@ -6,7 +6,7 @@ Reads every benchmark record (JSON written by benchmarks/run.py; one record or a
 recursively; other JSON is ignored: report.load_records) and, where a record has a `trace_dir` holding profiler
 traces, the traces. Writes the markdown report and its charts (into STEM_files/ next to it): per model,
 throughput, memory per GPU, step-time breakdown, communication overhead, scaling efficiency and MFU per strategy,
-and a "use this when" line for each strategy (names and order: the table in vit_recipes/strategies.py; advice:
+and a "use this when" line for each strategy (names and order: the table in vit_recipes/plan/strategies.py; advice:
 USE_WHEN below).
 
 Record fields used (all optional except `strategy`): name, strategy, gpus, model, per_device_batch, precision,
@@ -45,7 +45,7 @@ from trace_analysis import analyze  # noqa: E402  tools/trace_analysis.py: a use
 from benchmarks.common import markdown_table, save_png  # noqa: E402
 from benchmarks.report import _num as number_cell  # noqa: E402  one number format
 from benchmarks.report import load_records  # noqa: E402  one record loader
-from vit_recipes import strategies  # noqa: E402
+from vit_recipes.plan import strategies  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ def summary_rows(variants: list[Variant], runs: list[Run]) -> list[list[str]]:
     return rows
 
 
-# When to pick each strategy of the table (vit_recipes.strategies), in the report's advice lines.
+# When to pick each strategy of the table (vit_recipes.plan.strategies), in the report's advice lines.
 USE_WHEN = {
     "single": "the model, gradients and optimizer state fit on one GPU and one GPU is fast enough: no communication "
     "at all, simplest to debug.",

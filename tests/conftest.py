@@ -301,7 +301,7 @@ def logged_losses(out: Path) -> list[float]:
 
 def model_args(**kw):
     """ModelArguments for calling the package's model builders directly (no checkpoint unless given)."""
-    from vit_recipes.arguments import ModelArguments
+    from vit_recipes.core.arguments import ModelArguments
 
     return ModelArguments(**{"model_name_or_path": None, **kw})
 

@@ -63,9 +63,9 @@ def run(point: str, step: int, script_args: list[str], threads: int | None = Non
     elif point == "checkpoint_optimizer":
         kill_around(Trainer, "_save_rng_state", before=True, when=at_step)
     elif point == "checkpoint_state":
-        import vit_recipes.checkpoint_io
+        import vit_recipes.train.checkpoint_io
 
-        kill_around(vit_recipes.checkpoint_io, "write_loss_record", before=True, when=lambda *a: a[2] == step)
+        kill_around(vit_recipes.train.checkpoint_io, "write_loss_record", before=True, when=lambda *a: a[2] == step)
     elif point == "final_save":
         # the final save writes into output_dir itself; checkpoints write into checkpoint-N
         kill_around(

@@ -9,7 +9,7 @@ The whole script under FSDP2 is proven on GPUs by the acceptance suite (benchmar
     accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \\
         tests/fsdp2_cpu_worker.py MODEL_DIR OUT_DIR STEPS [lora] [--save-at K --checkpoint DIR] [--resume-from DIR]
 
-With `lora`, the model is first wrapped by our LoRA set-up (vit_recipes.lora.apply_lora: query/value adapters plus
+With `lora`, the model is first wrapped by our LoRA set-up (vit_recipes.model.lora.apply_lora: query/value adapters plus
 the full head), as `--use_peft` does before the Trainer hands it to accelerate. After training, the worker then saves
 the adapter the way the script does under FSDP2 (`save_adapter`): our save_final_model with the Trainer's own
 save_model/_save (accelerator.get_state_dict -> PeftModel.save_pretrained(state_dict=...)), once as an adapter into
@@ -45,13 +45,13 @@ from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_canonicalize_names
 from transformers import ViTForImageClassification
 from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
 
-from vit_recipes.adapters import save_final_model
-from vit_recipes.arguments import LoraArguments, ModelArguments
-from vit_recipes.checks import check_fsdp_wrap
-from vit_recipes.launch import shutdown
-from vit_recipes.lora import apply_lora, base_signature
-from vit_recipes.modeling import FinetuneSetup
-from vit_recipes.plan import read_strategy
+from vit_recipes.core.arguments import LoraArguments, ModelArguments
+from vit_recipes.core.launch import shutdown
+from vit_recipes.model.adapters import save_final_model
+from vit_recipes.model.lora import apply_lora, base_signature
+from vit_recipes.model.modeling import FinetuneSetup
+from vit_recipes.plan.checks import check_fsdp_wrap
+from vit_recipes.plan.plan import read_strategy
 
 
 def fixed_batches(config, steps: int, batch: int = 8):
@@ -76,7 +76,7 @@ def save_adapter(accelerator, model, output_dir: Path, setup: FinetuneSetup) -> 
 
     The Trainer itself is not built here: its Accelerator would refuse FSDP on the CPU (so would the script).
     """
-    from vit_recipes.trainer import ImageClassificationTrainer
+    from vit_recipes.train.trainer import ImageClassificationTrainer
 
     trainer = ImageClassificationTrainer.__new__(ImageClassificationTrainer)
     main_process = accelerator.is_main_process

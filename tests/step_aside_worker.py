@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from vit_recipes import launch
+from vit_recipes.core import launch
 
 launch.visible_gpus = lambda: 2
 launch.check_processes(use_cpu=False)  # local ranks 2.. exit here, status 0

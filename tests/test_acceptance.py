@@ -238,7 +238,9 @@ def test_the_compile_checks_read_the_line_after_the_log_prefix_and_the_card(acce
     def run(name: str, compiled: bool, line: str) -> None:
         (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / name / "README.md").write_text(f"| torch_compile_regions | {compiled} |\n")
-        (tmp_path / "logs" / f"{name}.log").write_text(f"12:00:00 WARNING vit_recipes.plan: {line}\n" if line else "")
+        (tmp_path / "logs" / f"{name}.log").write_text(
+            f"12:00:00 WARNING vit_recipes.plan.plan: {line}\n" if line else ""
+        )
 
     off = "Regional compilation off: 30 steps would not repay the compile (it pays from 1,000; ...)"
     run("default", False, off)
@@ -310,7 +312,7 @@ def test_the_zero3_command_as_typed_passes_when_the_gpus_train_and_fails_on_the_
     )
     (tmp_path / "logs").mkdir()
     log = tmp_path / "logs" / "vith-as-typed.log"
-    said = ("12:00:00 WARNING vit_recipes.plan: 8 processes were launched on this machine, which has 2 GPU(s): 6 "
+    said = ("12:00:00 WARNING vit_recipes.plan.plan: 8 processes were launched on this machine, which has 2 GPU(s): 6 "
             "exited before the process group and 2 train, global batch 32 (8 would have made 128); --num_processes "
             "2 launches only these\n")  # fmt: skip
     refused = ("error: 8 processes on this machine but only 2 GPU(s) visible: launch at most 2\nTraceback (most "

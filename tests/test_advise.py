@@ -1,4 +1,4 @@
-"""The memory advisor (tools/advise.py, on vit_recipes/memory.py) against figures computed by hand for a small ViT."""
+"""The memory advisor (tools/advise.py, on vit_recipes/plan/memory.py) against figures computed by hand for a small ViT."""
 
 import importlib.util
 import sys
@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT
 from transformers import ViTConfig
 
-from vit_recipes.memory import activation_bytes, estimate, model_shape
+from vit_recipes.plan.memory import activation_bytes, estimate, model_shape
 
 _spec = importlib.util.spec_from_file_location("advise", ROOT / "tools" / "advise.py")
 advise = sys.modules["advise"] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
@@ -141,8 +141,9 @@ def test_an_unreachable_hub_id_is_one_line_without_the_downloads_retries(monkeyp
     import huggingface_hub
     import transformers
 
-    from vit_recipes import hub, memory
-    from vit_recipes.errors import RecipeError
+    from vit_recipes.core import hub
+    from vit_recipes.core.errors import RecipeError
+    from vit_recipes.model import facts
 
     http = importlib.import_module(huggingface_hub.errors.HTTPError.__module__)  # httpx (hub 1.x) or httpx2 (2.x)
 
@@ -157,4 +158,4 @@ def test_an_unreachable_hub_id_is_one_line_without_the_downloads_retries(monkeyp
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", download)
     with pytest.raises(RecipeError, match="^could not reach the Hugging Face Hub to download the config of 'org/vit'"):
-        memory.load_config("org/vit")
+        facts.load_config("org/vit")

@@ -1,48 +1,150 @@
-"""The package's layers (docs/architecture.md): a module imports only modules of lower layers."""
+"""The package's layout and layers: a folder imports only the folders below it (docs/development.md's map), a module
+only modules of lower layers (docs/architecture.md), and the model's config is read once a run."""
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
 
 PACKAGE = ROOT / "src" / "vit_recipes"
-# Bottom to top, as docs/architecture.md draws them.
+# Each folder and the folders it may import, as docs/development.md's map draws them ("" is the package's root: the
+# script's steps and the public import of load_model). No circle: checked below.
+FOLDERS = {
+    "core": set(),
+    "data": {"core"},
+    "model": {"core"},
+    "plan": {"model", "data", "core"},
+    "publish": {"data", "core"},
+    "train": {"publish", "plan", "model", "data", "core"},
+    "": {"train", "publish", "plan", "model", "data", "core"},
+}
+# Each module by its path in the package (folder/name), bottom to top, as docs/architecture.md draws them.
 LAYERS = [
-    {"metrics", "classifiers", "plots", "timeline", "swap", "lazy_deepspeed"},  # import nothing of the package
-    {"errors", "strategies", "images", "transforms", "patch_embedding", "flops", "meter", "interrupt"}
-    | {"reports", "attention", "__init__"},
-    {"arguments", "hub", "launch", "run_dir", "fp8", "patch_dropout", "levers", "figures", "folder_index"}
-    | {"batches", "loss", "stopping"},
-    {"data", "memory", "lora", "checkpoint_io"},
-    {"streaming"},
-    {"checks", "modeling", "card", "observability", "decoding"},
-    {"plan", "adapters"},
-    {"trainer"},
+    {"core/metrics", "model/classifiers", "publish/plots", "train/timeline", "core/swap", "train/lazy_deepspeed"},
+    {"core/errors", "plan/strategies", "data/images", "data/transforms", "model/patch_embedding", "model/flops"}
+    | {"train/meter", "core/interrupt", "publish/reports", "model/attention", "__init__"},
+    {"core/arguments", "core/hub", "core/launch", "plan/run_dir", "model/fp8", "model/patch_dropout", "model/levers"}
+    | {"publish/figures", "data/folder_index", "data/batches", "train/loss", "train/stopping"},
+    {"data/data", "model/lora", "train/checkpoint_io"},
+    {"data/streaming", "model/facts"},
+    {"plan/memory", "model/modeling", "publish/card", "train/observability", "data/decoding"},
+    {"plan/checks", "model/adapters"},
+    {"plan/plan", "train/trainer", "adapters"},
     {"steps"},
 ]
 
 
+def modules() -> dict[str, Path]:
+    """The package's modules by their path in it (core/errors, steps); the folders' __init__ files left out."""
+    paths = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py" or p.parent == PACKAGE]
+    return {p.relative_to(PACKAGE).with_suffix("").as_posix(): p for p in paths}
+
+
+def folder_of(module: str) -> str:
+    return module.rpartition("/")[0]
+
+
 def package_imports(path: Path) -> set[str]:
+    """The package's modules (as `modules` names them) that `path` imports, written relative or absolute."""
+    here, folders = ["vit_recipes", *path.parent.relative_to(PACKAGE).parts], set(FOLDERS) - {""}
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found.update([node.module] if node.module else [a.name for a in node.names])
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vit_recipes"):
-            found.add(node.module.split(".")[1] if "." in node.module else "")
-    return {name.split(".")[0] for name in found if name}
+        if isinstance(node, ast.Import):
+            dotted = [alias.name.split(".") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            module = [*base, *node.module.split(".")] if node.module else base
+            dotted = [[*module, alias.name] for alias in node.names]
+        else:
+            continue
+        for parts in dotted:  # vit_recipes, then a folder and its module, or a module of the root
+            if parts[0] == "vit_recipes" and len(parts) > 1:
+                name = "/".join(parts[1:3]) if parts[1] in folders and len(parts) > 2 else parts[1]
+                found.update([name] if (PACKAGE / f"{name}.py").is_file() else [])
+    return found
 
 
 def test_every_module_has_a_layer_and_imports_only_lower_ones():
     layer = {name: i for i, names in enumerate(LAYERS) for name in names}
-    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
-    assert set(modules) == set(layer), "docs/architecture.md and LAYERS must name every module"
+    assert set(modules()) == set(layer), "docs/architecture.md and LAYERS must name every module"
     upward = [
         f"{name} (layer {layer[name]}) imports {other} (layer {layer[other]})"
-        for name, path in modules.items()
+        for name, path in modules().items()
         for other in package_imports(path)
         if layer[other] >= layer[name]
     ]
     assert not upward, upward
+
+
+def test_every_folder_imports_only_the_folders_below_it():
+    """The folders are docs/development.md's map: each a concern, importing only the folders its line names, with no
+    circle; its __init__ says what it owns and may import, and imports nothing (a folder's import is its modules')."""
+    found = {p.parent.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")} - {"."}
+    assert found == set(FOLDERS) - {""}, "a folder of the package is missing from FOLDERS (and the map), or gone"
+    upward = [
+        f"{name} ({folder_of(name) or 'the root'}) imports {other}"
+        for name, path in modules().items()
+        for other in package_imports(path)
+        if folder_of(other) not in FOLDERS[folder_of(name)] | {folder_of(name)}
+    ]
+    assert not upward, upward
+    below, left = {}, dict(FOLDERS)
+    while left:  # peel the folders whose imports are all below: a circle would leave some forever
+        ready = [f for f, uses in left.items() if uses <= set(below)]
+        assert ready, f"the folders {sorted(left)} import each other"
+        below.update({f: left.pop(f) for f in ready})
+    for folder in set(FOLDERS) - {""}:
+        init = ast.parse((PACKAGE / folder / "__init__.py").read_text())
+        doc = ast.get_docstring(init) or ""
+        assert doc and "\n\n" not in doc and len(init.body) == 1, f"{folder}/__init__.py: one paragraph, no code"
+        assert "import" in doc, f"{folder}/__init__.py says what it may import"
+
+
+def test_the_map_in_the_development_guide_is_the_package():
+    """docs/development.md's map names every module in its folder, and each folder's imports as FOLDERS has them."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    block = re.search(r"```\n(src/vit_recipes/\n.*?)```", text, re.S).group(1)
+    drawn, imports, folder = {}, {}, None
+    for line in block.splitlines()[1:]:
+        if head := re.match(r"^  (\w+/|\w+\.py)\s+-> (.+)$", line):
+            folder = head.group(1).rstrip("/") if head.group(1).endswith("/") else ""
+            uses = head.group(2).split(":")[0].strip()
+            imports[folder] = (
+                set()
+                if uses == "nothing"
+                else set(FOLDERS) - {folder}
+                if uses == "every folder"
+                else {u.strip().rstrip("/") for u in uses.split(",")}
+            )
+        for name in re.findall(r"\b(\w+)\.py\b", line):
+            drawn[f"{folder}/{name}".lstrip("/")] = True
+    assert imports == FOLDERS
+    assert set(drawn) == set(modules()) - {"__init__"}
+
+
+def test_the_public_import_of_load_model_still_works():
+    """README.md and docs/lora.md show `from vit_recipes.adapters import load_model`; model cards name it."""
+    import vit_recipes.adapters
+    import vit_recipes.model.adapters
+
+    assert vit_recipes.adapters.load_model is vit_recipes.model.adapters.load_model
+
+
+def test_only_the_model_facts_read_a_models_config():
+    """A run reads the model's config once, in its plan (model/facts.py's read_model_facts, into ModelFacts): a module
+    that loaded it itself (the loaders, or transformers' AutoConfig.from_pretrained) would read it again."""
+    readers = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            loads = isinstance(node, ast.Name) and node.id in ("load_config", "config_from_args")
+            loads |= (
+                isinstance(node, ast.Attribute)
+                and node.attr == "from_pretrained"
+                and "AutoConfig" in ast.unparse(node)
+            )
+            readers += [f"{name}:{node.lineno}"] if loads and name != "model/facts" else []
+    assert readers == []
 
 
 def test_a_run_does_not_import_evaluate():
@@ -59,7 +161,7 @@ def test_a_run_does_not_import_evaluate():
 
 
 def test_arguments_import_nothing_of_ours_but_errors():
-    assert package_imports(PACKAGE / "arguments.py") == {"errors"}
+    assert package_imports(PACKAGE / "core" / "arguments.py") == {"core/errors"}
 
 
 def test_every_row_of_the_reliability_table_names_a_test_that_exists():
@@ -82,13 +184,13 @@ def test_every_row_of_the_reliability_table_names_a_test_that_exists():
 
 def test_unwrapping_a_model_does_not_import_deepspeed(monkeypatch):
     """accelerate's unwrap, which the Trainer calls, imports DeepSpeed to check for its engine (0.5 s of each run):
-    vit_recipes.lazy_deepspeed makes it check only once deepspeed is imported, as no engine exists before."""
+    vit_recipes.train.lazy_deepspeed makes it check only once deepspeed is imported, as no engine exists before."""
     import sys
 
     import torch
     from accelerate.utils import extract_model_from_parallel
 
-    import vit_recipes.trainer  # noqa: F401  imports vit_recipes.lazy_deepspeed, where the check is replaced
+    import vit_recipes.train.trainer  # noqa: F401  imports vit_recipes.train.lazy_deepspeed, where the check is replaced
 
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -97,7 +199,7 @@ def test_unwrapping_a_model_does_not_import_deepspeed(monkeypatch):
 
 
 def test_accelerates_unwrap_still_asks_for_deepspeed_through_the_name_we_replace():
-    """The upstream shape vit_recipes.lazy_deepspeed relies on: accelerate's unwrap reads `is_deepspeed_available`
+    """The upstream shape vit_recipes.train.lazy_deepspeed relies on: accelerate's unwrap reads `is_deepspeed_available`
     from its module's globals and imports deepspeed when it answers yes. Fails when accelerate changes either: the
     patch then does nothing (find the new place) or is no longer needed (delete it)."""
     import inspect
@@ -105,7 +207,7 @@ def test_accelerates_unwrap_still_asks_for_deepspeed_through_the_name_we_replace
     import accelerate.utils.imports
     import accelerate.utils.other
 
-    from vit_recipes import lazy_deepspeed
+    from vit_recipes.train import lazy_deepspeed
 
     unwrap = accelerate.utils.other.extract_model_from_parallel
     assert "is_deepspeed_available" in unwrap.__code__.co_names
@@ -118,7 +220,7 @@ def test_accelerates_unwrap_still_asks_for_deepspeed_through_the_name_we_replace
 def test_no_class_or_function_of_the_package_runs_over_120_lines():
     """A responsibility grows into its own module or class (the Trainer's mixins), not into one long body."""
     long = []
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 start = min([d.lineno for d in node.decorator_list] + [node.lineno])
@@ -128,9 +230,9 @@ def test_no_class_or_function_of_the_package_runs_over_120_lines():
 
 
 def test_run_code_patches_no_field_with_a_test_framework():
-    """unittest.mock belongs to tests: a field swapped around an upstream call uses vit_recipes.swap.swapped."""
+    """unittest.mock belongs to tests: a field swapped around an upstream call uses vit_recipes.core.swap.swapped."""
     users = []
-    for path in [*PACKAGE.glob("*.py"), ROOT / "run_image_classification.py"]:
+    for path in [*PACKAGE.rglob("*.py"), ROOT / "run_image_classification.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -143,7 +245,7 @@ def test_a_swapped_field_is_restored_however_the_block_ends():
 
     import pytest
 
-    from vit_recipes.swap import swapped
+    from vit_recipes.core.swap import swapped
 
     args = types.SimpleNamespace(dataloader_drop_last=True)
     with swapped(args, "dataloader_drop_last", False):
@@ -174,7 +276,7 @@ def test_every_library_the_package_imports_is_a_declared_dependency():
     optional = {"requests", "transformer_engine"}
     names = {re.split(r"[<>=!~ ;\[]", line.strip())[0].lower().replace("_", "-") for line in declared.splitlines()}
     found = set()
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found.update(alias.name.split(".")[0] for alias in node.names)

@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vit_recipes.arguments import parse_args
-from vit_recipes.errors import RecipeError
+from vit_recipes.core.arguments import parse_args
+from vit_recipes.core.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
@@ -100,7 +100,7 @@ def test_token_never_stays_in_training_args(tmp_path, monkeypatch):
 def test_legacy_matmul_precision_follows_the_tf32_transformers_sets():
     """Compiling on a GPU, transformers turns TF32 on through torch's new API; max-autotune then read the legacy
     setting and failed on the mix (H200, torch 2.11). The same mix fails here on the CPU without the alignment."""
-    from vit_recipes.arguments import align_matmul_precision
+    from vit_recipes.core.arguments import align_matmul_precision
 
     before = torch.backends.fp32_precision, torch.get_float32_matmul_precision()
     try:

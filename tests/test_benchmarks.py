@@ -402,7 +402,7 @@ def test_regional_compile_compiles_each_layer_and_saves_a_plain_model(
     from torch._dynamo.eval_frame import OptimizedModule
     from transformers import Trainer, ViTForImageClassification
 
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false")  # restored after the test
     common = ("--dataset_name", "cifar100", "--output_dir", tmp_path / "unused", "--use_cpu", "true")
@@ -432,7 +432,7 @@ def test_regional_compile_compiles_each_layer_and_saves_a_plain_model(
 
 def test_torch_compile_drops_the_short_last_batch():
     """A short last batch would recompile the model every epoch (seen on an H100: ~45 s each time)."""
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
 
     common = ("--dataset_name", "cifar100", "--output_dir", "unused", "--use_cpu", "true", "--report_to", "none")
     assert parse_args([*common, "--torch_compile", "true"]).training.dataloader_drop_last
@@ -559,7 +559,7 @@ def test_peer_counts_flops_at_the_size_its_processor_crops_to():
     trains at (its processor's shortest_edge, 256). The peer's MFU counted FLOPs at the config's size."""
     from transformers import BitImageProcessor, Dinov2Config
 
-    from vit_recipes.flops import training_flops_per_image
+    from vit_recipes.model.flops import training_flops_per_image
 
     peer = load_peer()
     config = Dinov2Config(image_size=32, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)

@@ -9,8 +9,8 @@ import torch
 from conftest import run_args, signal_at_step
 from safetensors.torch import load_file
 
-from vit_recipes.errors import RecipeError
-from vit_recipes.run_dir import CHECKPOINT_RECORD
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.plan.run_dir import CHECKPOINT_RECORD
 
 pytestmark = pytest.mark.slow
 SAVE_EVERY_2 = ("--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "5", "--do_eval", "false")
@@ -114,7 +114,7 @@ def test_a_checkpoint_with_unreadable_weights_is_one_line_naming_it(cifar_like, 
 def test_a_full_disk_mid_save_is_one_line_and_the_same_command_then_ends_as_the_uninterrupted_run(
     cifar_like, tiny_vit, tmp_path, run_script, monkeypatch
 ):
-    from vit_recipes.trainer import ImageClassificationTrainer
+    from vit_recipes.train.trainer import ImageClassificationTrainer
 
     straight, full = tmp_path / "straight", tmp_path / "full"
     run_script(*args(cifar_like, tiny_vit, straight, "--max_steps", "6", *SAVE_EVERY_2))
@@ -149,7 +149,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_any_data_is_read
 def test_an_output_dir_without_room_for_a_checkpoint_is_refused(tiny_vit, tmp_path, run_script, monkeypatch):
     import collections
 
-    from vit_recipes import checks
+    from vit_recipes.plan import checks
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(checks.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1024, 1024))
@@ -166,7 +166,7 @@ def test_buffers_killed_ranks_left_in_dev_shm_are_removed_at_the_next_start(tmp_
     import os
     import time
 
-    from vit_recipes.launch import SHM_BUFFER_PREFIX, remove_stale_shm_buffers
+    from vit_recipes.core.launch import SHM_BUFFER_PREFIX, remove_stale_shm_buffers
 
     name = f"{SHM_BUFFER_PREFIX}test_{os.getpid()}"
     stale, mapped, new = f"{name}_stale", f"{name}_mapped", f"{name}_new"
@@ -247,7 +247,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_run_leaves_no
     import subprocess
     import sys
 
-    from vit_recipes.run_dir import _HELD_LOCKS, lock_output_dir
+    from vit_recipes.plan.run_dir import _HELD_LOCKS, lock_output_dir
 
     hold = (
         "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
@@ -389,7 +389,7 @@ def test_a_signal_stops_at_the_next_step_end_a_forwarded_copy_is_ignored_and_a_l
 
     from transformers import TrainerControl
 
-    from vit_recipes import interrupt
+    from vit_recipes.core import interrupt
 
     clock = [100.0]
     monkeypatch.setattr(interrupt.time, "monotonic", lambda: clock[0])
@@ -421,7 +421,7 @@ def test_a_signal_the_process_ignores_stays_ignored():
 
     from transformers import TrainerControl
 
-    from vit_recipes import interrupt
+    from vit_recipes.core import interrupt
 
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = interrupt.StopOnSignal()

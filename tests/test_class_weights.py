@@ -14,9 +14,9 @@ from conftest import tiny_vit_config
 from datasets import Dataset
 from transformers import TrainingArguments
 
-from vit_recipes.data import ImageSplits, balanced_sample_weights
-from vit_recipes.trainer import ImageClassificationTrainer
-from vit_recipes.transforms import MixupCutmix
+from vit_recipes.data.data import ImageSplits, balanced_sample_weights
+from vit_recipes.data.transforms import MixupCutmix
+from vit_recipes.train.trainer import ImageClassificationTrainer
 
 NUM_LABELS = 4
 WEIGHTS = torch.tensor([0.25, 1.0, 2.0, 4.0])

@@ -12,11 +12,11 @@ import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
 from PIL import Image as PILImage
 
-from vit_recipes import data as data_module
-from vit_recipes.arguments import DataArguments
-from vit_recipes.data import load_image_folder, load_splits
-from vit_recipes.decoding import PixelCollator, decode_splits, storage_format
-from vit_recipes.errors import RecipeError
+from vit_recipes.core.arguments import DataArguments
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.data import data as data_module
+from vit_recipes.data.data import load_image_folder, load_splits
+from vit_recipes.data.decoding import PixelCollator, decode_splits, storage_format
 
 
 def data_args(name, **kw):
@@ -247,7 +247,7 @@ def mode_images() -> dict[str, PILImage.Image]:
 
 
 def test_every_pil_mode_decodes_to_rgb_uint8():
-    from vit_recipes.images import decode_to_chw, to_rgb
+    from vit_recipes.data.images import decode_to_chw, to_rgb
 
     for mode, image in mode_images().items():
         assert image.mode == mode
@@ -266,7 +266,7 @@ def test_every_pil_mode_decodes_to_rgb_uint8():
 def test_transparent_palettes_float_images_and_exif_rotation_decode_as_shown():
     """A palette PNG's transparent colour is white (as RGBA's alpha); a float image of values in [0, 1] is scaled by
     1.0, not 255 (near black); a photo stored on its side is turned upright by its EXIF orientation."""
-    from vit_recipes.images import decode_to_chw, to_rgb
+    from vit_recipes.data.images import decode_to_chw, to_rgb
 
     buffer = io.BytesIO()
     PILImage.new("P", (4, 4), 0).save(buffer, format="PNG", transparency=0)  # colour 0: black, transparent
@@ -437,7 +437,7 @@ def test_sample_caps_are_seeded_stratified_and_said(tmp_path, caplog):
 
     labels = [c for c in "abcdefghij" for _ in range(20)]  # sorted by class, as many test splits are
     path = save(tmp_path, train=tiny_split(labels), test=tiny_split(labels))
-    with caplog.at_level("WARNING", logger="vit_recipes.data"):
+    with caplog.at_level("WARNING", logger="vit_recipes.data.data"):
         splits = load_splits(data_args(path, max_eval_samples=50))
     assert sorted(Counter(splits.test["labels"]).values()) == [5] * 10  # every class, in proportion
     assert "Sampled 50 of 200 test images (seed 42, stratified)" in caplog.text
@@ -447,7 +447,7 @@ def test_sample_caps_are_seeded_stratified_and_said(tmp_path, caplog):
 def test_balanced_sampler_draws_classes_equally_and_refuses_multi_label():
     from datasets import Dataset
 
-    from vit_recipes.data import ImageSplits, balanced_sample_weights, imbalance
+    from vit_recipes.data.data import ImageSplits, balanced_sample_weights, imbalance
 
     train = Dataset.from_dict({"labels": [0] * 9 + [1] * 3})
     splits = ImageSplits(train, None, None, "image", ["a", "b"], "ClassLabel")
@@ -466,7 +466,7 @@ def test_an_empty_data_file_and_a_label_column_of_mixed_types_are_one_line_each(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vit_recipes.data import load_any
+    from vit_recipes.data.data import load_any
 
     empty = tmp_path / "empty" / "data"
     empty.mkdir(parents=True)
@@ -488,8 +488,8 @@ def test_a_class_without_training_images_is_one_line(tmp_path):
     """A label only the test split has (or an empty class): the model could never predict it, silently."""
     from PIL import Image as PILImage
 
-    from vit_recipes.arguments import DataArguments
-    from vit_recipes.data import load_splits
+    from vit_recipes.core.arguments import DataArguments
+    from vit_recipes.data.data import load_splits
 
     for split, classes in (("train", ("cat", "dog")), ("test", ("cat", "dog", "bird"))):
         for name in classes:
@@ -502,7 +502,7 @@ def test_a_class_without_training_images_is_one_line(tmp_path):
 
 def test_a_batch_larger_than_the_training_set_is_one_line(cifar_like, tmp_path):
     """Each step was the whole set and the card recorded a batch of 10^9."""
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
     from vit_recipes.steps import load_data
 
     args = parse_args(["--dataset_name", str(cifar_like), "--output_dir", str(tmp_path), "--use_cpu", "true",

@@ -1,5 +1,5 @@
 """The data path at real sizes: a folder indexed in one walk, and the choice between a decoded copy and decoding per
-batch in the DataLoader workers (src/vit_recipes/folder_index.py, decoding.py)."""
+batch in the DataLoader workers (src/vit_recipes/data/folder_index.py, decoding.py)."""
 
 import csv
 import errno
@@ -20,10 +20,10 @@ import torch
 from conftest import ROOT, run_args
 from PIL import Image as PILImage
 
-from vit_recipes import decoding
-from vit_recipes.data import ImageSplits, load_any
-from vit_recipes.decoding import DecodingCollator, PixelCollator, decode_splits, prepare_images, storage_format
-from vit_recipes.errors import RecipeError
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.data import decoding
+from vit_recipes.data.data import ImageSplits, load_any
+from vit_recipes.data.decoding import DecodingCollator, PixelCollator, decode_splits, prepare_images, storage_format
 
 sys.path.insert(0, str(ROOT / "tools"))
 from jpeg_folder import write_folder  # noqa: E402
@@ -134,8 +134,8 @@ def test_auto_decodes_small_images_once_and_photos_per_batch(photos, cifar_like,
 
 def test_a_stream_decodes_per_batch_where_auto_would_decode_once(cifar_like, capsys):
     """CIFAR-shaped PNGs are decoded once (the test above), but a stream has no copy to make: per batch, said so."""
-    from vit_recipes.arguments import DataArguments
-    from vit_recipes.streaming import load_stream_splits
+    from vit_recipes.core.arguments import DataArguments
+    from vit_recipes.data.streaming import load_stream_splits
 
     data = DataArguments(dataset_name=str(cifar_like), streaming=True, image_column_name="img",
                          label_column_name="fine_label")  # fmt: skip
@@ -220,7 +220,7 @@ def test_a_training_batch_with_no_readable_image_trains_on_the_splits_first_read
 def test_evaluation_leaves_unreadable_images_out_of_a_batch_of_its_shape(photos, tmp_path, caplog):
     """Evaluating, an unreadable image's row stays (accelerate's gather_for_metrics trims the last batch by counting
     full ones), black and labelled LEFT_OUT (multi-label: the whole row); a batch of only unreadable images too."""
-    from vit_recipes.metrics import LEFT_OUT
+    from vit_recipes.core.metrics import LEFT_OUT
 
     splits = splits_of(photos)
     training = DecodingCollator((16, 16), 255.0, "image", str(tmp_path / decoding.SKIPPED_DURING_RUN))
@@ -244,7 +244,7 @@ def test_a_jpeg_over_pils_bomb_limit_decodes_at_reduced_scale_and_another_image_
 ):
     """PIL refuses images over 2x Image.MAX_IMAGE_PIXELS (179 MP: a 200 MP phone photo) before decoding them. A JPEG
     decodes at 1/8 scale (draft), so it opens anyway; a PNG over it is skipped as "too large", not "unreadable"."""
-    from vit_recipes.images import ImageTooLarge, decode_to_chw, probe
+    from vit_recipes.data.images import ImageTooLarge, decode_to_chw, probe
 
     pixels = np.random.default_rng(0).integers(0, 256, size=(48, 64, 3), dtype=np.uint8)
     jpeg, big_png = io.BytesIO(), png(pixels)
@@ -369,7 +369,9 @@ def test_a_run_on_a_jpeg_folder_decodes_per_batch_and_writes_no_copy(photos, tin
     assert "train: 1 unreadable image(s) replaced in their batch by another of it" in card
     assert "validation: 3 unreadable image(s) left out of its evaluation" in card
     assert "train: 1 animated or multi-frame image(s): the first frame is used" in card
-    assert "WARNING vit_recipes.decoding: train: 1 animated or multi-frame image(s): the first frame is used" in said
+    assert (
+        "WARNING vit_recipes.data.decoding: train: 1 animated or multi-frame image(s): the first frame is used" in said
+    )
 
 
 def test_a_stream_of_a_jpeg_folder_with_an_unreadable_image_ends_with_its_card(photos, tiny_vit, tmp_path, run_script):
@@ -417,7 +419,7 @@ def test_jpeg_draft_decoding_covers_the_storage_size(tmp_path, monkeypatch):
     decodes at 1/4 (400x300) for 256x256 (1/8, 200x150, would not cover it) and at 1/8 for 128x128."""
     from PIL import ImageOps
 
-    from vit_recipes.images import decode_to_chw
+    from vit_recipes.data.images import decode_to_chw
 
     big = tmp_path / "big.jpg"
     PILImage.fromarray(np.random.default_rng(0).integers(0, 255, (1200, 1600, 3), np.uint8)).save(big, quality=90)
@@ -456,7 +458,7 @@ def test_animated_images_and_long_strips_are_noted_when_decoded_once(tmp_path):
 
 
 def test_a_stream_is_counted_in_steps_and_its_epoch_strategies_become_steps():
-    from vit_recipes.streaming import plan_stream_steps
+    from vit_recipes.data.streaming import plan_stream_steps
 
     training = SimpleNamespace(max_steps=-1, num_train_epochs=2, eval_strategy="epoch", save_strategy="steps")
     plan_stream_steps(training, rows=1000, global_batch=64)
@@ -526,7 +528,7 @@ def test_a_decoded_copy_already_on_disk_is_used_whatever_the_free_space(photos, 
 
 
 def test_per_batch_workers_take_this_processs_share_of_the_cores_unless_given(monkeypatch, capsys):
-    from vit_recipes.decoding import share_cores_with_workers
+    from vit_recipes.data.decoding import share_cores_with_workers
 
     monkeypatch.setattr(decoding.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
     per_batch = SimpleNamespace(decode="per_batch")
@@ -555,7 +557,7 @@ class _Niceness(torch.utils.data.Dataset):
 
 def test_dataloader_workers_yield_the_cpu_to_the_main_process():
     """Workers decoding per batch fill every core: they run at a lower priority than the process feeding the GPU."""
-    from vit_recipes.batches import WORKER_NICENESS, DeviceBatches
+    from vit_recipes.data.batches import WORKER_NICENESS, DeviceBatches
 
     class Trainer:  # the Trainer's loader, as DeviceBatches receives it
         args = SimpleNamespace(dataloader_drop_last=False)

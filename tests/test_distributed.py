@@ -35,9 +35,9 @@ from conftest import ROOT, pattern_images, save_tiny_vit, write_parquet_splits
 from conftest import logged_losses as losses
 from safetensors.torch import load_file
 
-from vit_recipes.errors import RecipeError
-from vit_recipes.launch import SHM_BUFFER_PREFIX
-from vit_recipes.memory import AUTOCAST
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.core.launch import SHM_BUFFER_PREFIX
+from vit_recipes.plan.memory import AUTOCAST
 
 CLASSES = 10
 STEPS = 20
@@ -463,7 +463,7 @@ def test_a_deepspeed_resume_puts_each_fused_optimizer_step_beside_its_parameter(
     offloaded (CPU) parameter and a plain AdamW keep their CPU steps, as torch keeps them."""
     from transformers import Trainer
 
-    from vit_recipes.trainer import ImageClassificationTrainer
+    from vit_recipes.train.trainer import ImageClassificationTrainer
 
     on_gpu, offloaded, plain = (torch.nn.Parameter(torch.zeros(4, device=d)) for d in ("meta", "cpu", "meta"))
     fused = torch.optim.AdamW([on_gpu, offloaded], fused=True)
@@ -537,7 +537,7 @@ def test_two_machines_over_loopback_with_the_slurm_script(ten_classes, new_head_
 def parse(*extra, data="data", model="model", out=None):
     import tempfile
 
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
 
     out = out or tempfile.mkdtemp(prefix="vit-recipes-test-")  # configure() locks it: never the repository's out/
     return parse_args(
@@ -548,7 +548,7 @@ def parse(*extra, data="data", model="model", out=None):
 
 def check(*extra, **kwargs):
     """Plan the run (its checks decide) and apply the plan, as the script does; return its strategy."""
-    from vit_recipes.plan import build_plan, configure
+    from vit_recipes.plan.plan import build_plan, configure
 
     args = parse(*extra, **kwargs)
     plan = build_plan(args)
@@ -580,7 +580,7 @@ def test_deepspeed_config_conflicts_with_the_arguments(tmp_path):
 
 
 def test_fixed_bf16_in_the_deepspeed_config_conflicts_with_fp16(tmp_path, monkeypatch):
-    from vit_recipes import plan
+    from vit_recipes.plan import plan
 
     monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")  # as on a GPU: fp16 itself is fine there
     fixed = ds_file(tmp_path, bf16__enabled=True)
@@ -597,7 +597,7 @@ def test_torch_autocast_fixed_in_the_deepspeed_config_conflicts_with_the_precisi
 
 
 def test_fp16_or_a_16_bit_mode_beside_torch_autocast_is_refused(tmp_path, monkeypatch):
-    from vit_recipes import checks, plan
+    from vit_recipes.plan import checks, plan
 
     monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")  # as on a GPU: fp16 itself is fine there
     monkeypatch.setattr(checks, "gpu_bf16_ok", lambda: True)
@@ -610,12 +610,12 @@ def test_fp16_or_a_16_bit_mode_beside_torch_autocast_is_refused(tmp_path, monkey
 
 def test_deepspeeds_16_bit_mode_says_its_weights_learn_more_slowly(tmp_path, caplog):
     bf16_mode = ds_file(tmp_path, torch_autocast__enabled=False, bf16__enabled="auto")  # as the offload configs
-    with caplog.at_level("INFO", logger="vit_recipes.plan"):
+    with caplog.at_level("INFO", logger="vit_recipes.plan.plan"):
         check("--deepspeed", bf16_mode, "--use_cpu", "true", "--bf16", "true")
     assert "bf16 (16-bit weights) on cpu" in caplog.text
     assert "trains in DeepSpeed's bf16 mode: bf16 weights, which learn more slowly" in caplog.text
     caplog.clear()
-    with caplog.at_level("INFO", logger="vit_recipes.plan"):
+    with caplog.at_level("INFO", logger="vit_recipes.plan.plan"):
         check("--deepspeed", "ds_configs/zero2.json", "--use_cpu", "true", "--bf16", "true")
     assert "fp32 weights) on cpu" in caplog.text and "learn more slowly" not in caplog.text
 
@@ -631,9 +631,9 @@ def test_bf16_goes_to_deepspeeds_autocast_and_the_trainers_is_off(launcher, monk
         args = parse("--use_cpu", "true", "--bf16", "true")
     else:
         args = parse("--deepspeed", "ds_configs/zero2.json", "--use_cpu", "true", "--bf16", "true")
-    from vit_recipes.plan import build_plan, configure
+    from vit_recipes.plan.plan import build_plan, configure
 
-    with caplog.at_level("INFO", logger="vit_recipes.plan"):
+    with caplog.at_level("INFO", logger="vit_recipes.plan.plan"):
         plan = build_plan(args)
     configure(plan, args)
     t, config = args.training, args.training.deepspeed_plugin.deepspeed_config
@@ -653,7 +653,7 @@ def test_fp16_on_the_cpu_is_refused():
 
 
 def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
-    from vit_recipes import checks, plan
+    from vit_recipes.plan import checks, plan
 
     monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")
     monkeypatch.setattr(checks, "gpu_bf16_ok", lambda: False)
@@ -665,7 +665,7 @@ def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
 def test_one_process_seeing_several_gpus_is_refused(monkeypatch):
     """Seen on H200s: a lone process with 2 GPUs visible ran ViT-B at 421 img/s under the Trainer's DataParallel,
     against 2,561 on one GPU."""
-    from vit_recipes import checks, plan
+    from vit_recipes.plan import checks, plan
 
     monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")
     monkeypatch.setattr(checks, "visible_gpus", lambda: 2)
@@ -679,7 +679,7 @@ def test_one_process_seeing_several_gpus_is_refused(monkeypatch):
 
 
 def test_more_processes_than_gpus_is_refused_before_parsing(monkeypatch):
-    from vit_recipes.launch import check_processes
+    from vit_recipes.core.launch import check_processes
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -720,7 +720,7 @@ def test_regional_compile_under_zero3_is_refused(monkeypatch):
 
 
 def test_fsdp_turns_gradient_checkpointing_into_its_own(monkeypatch):
-    from vit_recipes import checks, plan
+    from vit_recipes.plan import checks, plan
 
     monkeypatch.setattr(plan, "device_kind", lambda t: "cuda")
     monkeypatch.setattr(checks, "gpu_bf16_ok", lambda: True)
@@ -766,7 +766,7 @@ def check_saved_lora(out: Path, model_dir: Path, reference) -> None:
     from fsdp2_cpu_worker import load
     from transformers import AutoModelForImageClassification
 
-    from vit_recipes.adapters import load_model
+    from vit_recipes.model.adapters import load_model
 
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     lora_keys = {
@@ -850,8 +850,8 @@ def test_fsdp_wrap_list_holding_the_embedding_is_refused(monkeypatch):
     """accelerate's default for ViT (its _no_split_modules) wraps ViTEmbeddings; one line says what to wrap instead."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    from vit_recipes.checks import check_fsdp_wrap
-    from vit_recipes.plan import read_strategy
+    from vit_recipes.plan.checks import check_fsdp_wrap
+    from vit_recipes.plan.plan import read_strategy
 
     def fsdp():
         return read_strategy(types.SimpleNamespace(world_size=2))
@@ -879,8 +879,8 @@ def test_zeropp_quantized_weights_refuse_a_head_that_does_not_split_into_groups_
 
     from transformers import ViTConfig, ViTForImageClassification
 
-    from vit_recipes.checks import check_model
-    from vit_recipes.plan import read_strategy
+    from vit_recipes.plan.checks import check_model
+    from vit_recipes.plan.plan import read_strategy
 
     def vit(labels: int):
         config = ViTConfig(hidden_size=768, num_hidden_layers=1, num_attention_heads=12, intermediate_size=64)
@@ -940,8 +940,8 @@ def fake_deepspeed_checkpoint(folder: Path, world: int) -> Path:
 
 
 def test_resume_with_another_world_size_is_refused_only_under_zero3(tmp_path):
-    from vit_recipes.checks import check_resume, deepspeed_checkpoint_world_size
-    from vit_recipes.plan import read_strategy
+    from vit_recipes.plan.checks import check_resume, deepspeed_checkpoint_world_size
+    from vit_recipes.plan.plan import read_strategy
 
     checkpoint = fake_deepspeed_checkpoint(tmp_path, world=4)
     assert deepspeed_checkpoint_world_size(checkpoint) == 4
@@ -1229,7 +1229,7 @@ def test_slurm_script_runs_one_accelerate_launch_per_node_with_its_rank(tmp_path
 def test_deepspeed_launchers_count_of_this_machines_processes_is_read(monkeypatch):
     """The `deepspeed` launcher sets LOCAL_SIZE, not LOCAL_WORLD_SIZE: 2 machines x 8 GPUs is 16 processes in all
     and 8 on this machine, which must not read as 16 on 8 GPUs."""
-    from vit_recipes.launch import check_processes
+    from vit_recipes.core.launch import check_processes
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "16")
@@ -1245,7 +1245,7 @@ def test_deepspeed_launchers_count_of_this_machines_processes_is_read(monkeypatc
 def test_the_launch_notes_are_in_the_runs_log(monkeypatch, caplog):
     """Processes that stepped aside (step_aside), and more CPU processes on a machine than cores (the zero3 command
     as typed with a CPU recipe starts the config's 8): one WARNING each in the plan's log, process 0 only."""
-    from vit_recipes import launch
+    from vit_recipes.core import launch
 
     monkeypatch.setattr(launch, "_STEPPED_ASIDE", {"launched": 8, "gpus": 2})
     monkeypatch.setattr(launch, "_CROWDED", {})
@@ -1255,7 +1255,7 @@ def test_the_launch_notes_are_in_the_runs_log(monkeypatch, caplog):
     launch.check_processes(use_cpu=True)  # what each of the 8 CPU processes meets: not refused
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name)  # one process from here: the plan, in-process
-    with caplog.at_level("WARNING", logger="vit_recipes.plan"):
+    with caplog.at_level("WARNING", logger="vit_recipes.plan.plan"):
         check("--use_cpu", "true", "--per_device_train_batch_size", "16")
     assert (
         "8 processes were launched on this machine, which has 2 GPU(s): 6 exited before the process group and 2 "
@@ -1283,14 +1283,14 @@ def pretend_accelerate_launched(monkeypatch, *command: str) -> None:
 def test_accelerate_launch_with_cpu_says_it_runs_one_process_and_refuses_a_strategy_it_drops(monkeypatch, caplog):
     """`accelerate launch --cpu` runs the script once, without the config's strategy: it ran one process for
     ddp.yaml --num_processes 2, and one plain process without DeepSpeed for zero3.yaml, without a word."""
-    from vit_recipes import launch
+    from vit_recipes.core import launch
 
     monkeypatch.setattr(launch, "_ONE_PROCESS", {})
     accelerate_launch = (str(Path(sys.executable).with_name("accelerate")), "launch")
     ddp = ("--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2", "--cpu")
     pretend_accelerate_launched(monkeypatch, *accelerate_launch, *ddp)
     launch.check_processes(use_cpu=True)
-    with caplog.at_level("WARNING", logger="vit_recipes.plan"):
+    with caplog.at_level("WARNING", logger="vit_recipes.plan.plan"):
         check("--use_cpu", "true", "--per_device_train_batch_size", "16")
     assert (
         "accelerate launch --cpu starts one process: 2 were asked (accelerate_configs/ddp.yaml), 1 trains, global "
@@ -1320,7 +1320,7 @@ def test_a_rank_that_leaves_the_refusal_to_local_rank_0_exits_0_at_the_launchers
     add to rank 0's line."""
     # "waiting" once it waits (its SIGTERM handler set): a signal before that would be the launcher's plain stop
     code = (
-        "import time; from vit_recipes import launch; sleep = time.sleep; "
+        "import time; from vit_recipes.core import launch; sleep = time.sleep; "
         "time.sleep = lambda s: (print('waiting', flush=True), sleep(s)); launch.await_the_launchers_stop(60)"
     )
     env = launch_env(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
@@ -1381,7 +1381,7 @@ def test_processes_past_the_gpus_step_aside_and_the_rest_train_as_one_group_unde
     accelerate's ChildFailedError report (~40 lines). Now the processes past the GPUs exit 0 before any collective,
     torch's elastic agent (which accelerate launch runs) waits for the others, and those form a group of the GPU
     count and train; one line says so. Here 3 processes on a machine that "has" 2 (tests/step_aside_worker.py)."""
-    from vit_recipes.launch import check_processes
+    from vit_recipes.core.launch import check_processes
 
     command = [tool("accelerate"), "launch", "--config_file", "accelerate_configs/zero3.yaml", "--num_processes", "3",
                "--main_process_port", str(free_port()), "tests/step_aside_worker.py", str(tmp_path)]  # fmt: skip

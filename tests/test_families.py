@@ -91,7 +91,7 @@ def test_each_family_trains_saves_and_reloads_with_pipeline(family, cifar_like, 
     assert "test_accuracy" in results and results["train_loss"] > 0
     assert_pipeline_matches_predictions(out, predict_folder)
     if family in ("convnext", "resnet"):  # no attention: the default picked eager; asking for SDPA is one line
-        from vit_recipes.errors import RecipeError
+        from vit_recipes.core.errors import RecipeError
 
         with pytest.raises(RecipeError, match=r"ForImageClassification has no SDPA attention: drop --attn_impl"):
             run_script("--dataset_name", cifar_like, "--model_name_or_path", source, "--output_dir", tmp_path / "x",
@@ -120,7 +120,7 @@ def test_a_vit_only_feature_on_another_family_is_one_line_before_any_data(
     """It was a transformers traceback after the data was decoded (gradient checkpointing)."""
     from transformers import AutoModelForImageClassification
 
-    from vit_recipes.errors import RecipeError
+    from vit_recipes.core.errors import RecipeError
 
     config, processor = tiny(family)
     source = tmp_path / family
@@ -138,7 +138,7 @@ def test_lora_on_a_convolutional_model_suggests_real_module_names_and_they_train
 
     from transformers import AutoModelForImageClassification
 
-    from vit_recipes.errors import RecipeError
+    from vit_recipes.core.errors import RecipeError
 
     config, processor = tiny("convnext")
     source = tmp_path / "convnext"
@@ -161,9 +161,9 @@ def test_the_fsdp_config_wrapping_vit_layers_names_the_layer_class_of_another_fa
 
     from transformers import AutoModelForImageClassification
 
-    from vit_recipes.checks import check_fsdp_wrap
-    from vit_recipes.errors import RecipeError
-    from vit_recipes.plan import read_strategy
+    from vit_recipes.core.errors import RecipeError
+    from vit_recipes.plan.checks import check_fsdp_wrap
+    from vit_recipes.plan.plan import read_strategy
 
     model = AutoModelForImageClassification.from_config(tiny("swin")[0])
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
@@ -181,8 +181,8 @@ def test_the_memory_advisor_and_the_flop_count_size_each_family(family):
     and FLOPs of one forward at the input size (ResNet's from its processor: its config has none)."""
     from transformers import AutoModelForImageClassification
 
-    from vit_recipes.flops import forward_flops
-    from vit_recipes.memory import model_size
+    from vit_recipes.model.facts import model_size
+    from vit_recipes.model.flops import forward_flops
 
     config = tiny(family)[0]
     params, largest = model_size(config)
@@ -196,14 +196,14 @@ def test_the_image_processor_of_a_hub_model_is_fetched_once_for_the_size_and_the
     which reads it again for mean/std (the Hub's answer, offline or not, takes a round trip)."""
     from transformers import AutoImageProcessor
 
-    from vit_recipes import modeling
+    from vit_recipes.model import facts, modeling
 
     processor = tiny("dinov2")[1]
     asked = []
-    modeling._load_processor.cache_clear()
+    facts._load_processor.cache_clear()
     monkeypatch.setattr(AutoImageProcessor, "from_pretrained", lambda name, **kw: asked.append(name) or processor)
     args = types.SimpleNamespace(model_name_or_path="someone/dinov2-tiny", image_processor_name=None, cache_dir=None)
-    assert modeling.processor_image_size(args) == 32 and modeling.mean_std(args)[0] == tuple(processor.image_mean)
+    assert facts.processor_image_size(args) == 32 and modeling.mean_std(args)[0] == tuple(processor.image_mean)
     assert asked == ["someone/dinov2-tiny"]
 
 
@@ -217,15 +217,18 @@ def test_dinov2_trains_at_its_processors_size_and_a_model_that_cannot_keeps_its_
     import torch
     from transformers import AutoModelForImageClassification
 
-    from vit_recipes.modeling import training_image_size
+    from vit_recipes.model.classifiers import classifier_class
+    from vit_recipes.model.facts import ModelFacts, processor_image_size
+    from vit_recipes.model.modeling import training_image_size
 
     deit, deit_processor = tiny("deit")
     deit_processor.size = {"height": 48, "width": 48}
     AutoModelForImageClassification.from_config(deit).save_pretrained(tmp_path / "deit")
     deit_processor.save_pretrained(tmp_path / "deit")
     args = types.SimpleNamespace(model_name_or_path=str(tmp_path / "deit"), image_processor_name=None, cache_dir=None)
-    caplog.set_level("WARNING", logger="vit_recipes.modeling")
-    assert training_image_size(args, deit, "deit") == 32
+    caplog.set_level("WARNING", logger="vit_recipes.model.modeling")
+    facts = ModelFacts("deit", deit, True, classifier_class(deit), processor_image_size(args))
+    assert training_image_size(facts) == 32
     assert "feeds it 48 px, but DeiTForImageClassification runs only at its config's image_size 32" in caplog.text
     torch.manual_seed(0)
     config, processor = tiny("dinov2")
@@ -354,7 +357,7 @@ def test_a_timm_checkpoints_head_alone_trains_on_its_own_backbone_and_lora_adapt
     """--freeze_backbone finds the classifier inside the wrapped timm model (the wrapper has no head of its own): the
     backbone saved is the checkpoint's, unchanged. LoRA's default targets are timm's fused qkv on the ViT; the ResNet
     has none and the refusal lists its layers."""
-    from vit_recipes.errors import RecipeError
+    from vit_recipes.core.errors import RecipeError
 
     source = timm_checkpoint(kind, tmp_path / kind)
     common = ("--dataset_name", cifar_like, "--model_name_or_path", source, "--do_train", "true", "--max_steps", "2",
@@ -391,11 +394,11 @@ def test_timm_refusals_and_sizes(kind, cifar_like, tmp_path, run_script, monkeyp
 
     from transformers import AutoConfig, AutoModelForImageClassification
 
-    from vit_recipes.checks import check_fsdp_wrap
-    from vit_recipes.errors import RecipeError
-    from vit_recipes.flops import forward_flops
-    from vit_recipes.memory import model_size
-    from vit_recipes.plan import read_strategy
+    from vit_recipes.core.errors import RecipeError
+    from vit_recipes.model.facts import model_size
+    from vit_recipes.model.flops import forward_flops
+    from vit_recipes.plan.checks import check_fsdp_wrap
+    from vit_recipes.plan.plan import read_strategy
 
     source = timm_checkpoint(kind, tmp_path / kind)
     common = ("--dataset_name", tmp_path / "no_data_yet", "--model_name_or_path", source, "--output_dir",

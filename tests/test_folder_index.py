@@ -1,4 +1,4 @@
-"""A real photo collection's odd files, as the folder indexer meets them (src/vit_recipes/folder_index.py): hidden
+"""A real photo collection's odd files, as the folder indexer meets them (src/vit_recipes/data/folder_index.py): hidden
 files, symlinks (loops, dangling ones, linked folders), formats beyond JPEG and PNG, empty placeholders, and images
 at mixed depths. Each ends clean: the run goes on and says what it did, or stops with one line naming the cause."""
 
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vit_recipes.arguments import DataArguments
-from vit_recipes.data import ImageSplits, load_any, load_image_folder, load_splits
-from vit_recipes.decoding import decode_splits
-from vit_recipes.errors import RecipeError
-from vit_recipes.folder_index import index_folder, walk
-from vit_recipes.images import IMAGE_EXTENSIONS, decode_to_chw
+from vit_recipes.core.arguments import DataArguments
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.data.data import ImageSplits, load_any, load_image_folder, load_splits
+from vit_recipes.data.decoding import decode_splits
+from vit_recipes.data.folder_index import index_folder, walk
+from vit_recipes.data.images import IMAGE_EXTENSIONS, decode_to_chw
 
 
 def png(shade: int = 100) -> bytes:
@@ -39,7 +39,7 @@ def classes(root: Path, names=("cat", "dog"), splits=("train", "validation"), pe
                        for i in range(per_class)})  # fmt: skip
 
 
-def warnings_of(caplog, logger="vit_recipes.folder_index") -> list[str]:
+def warnings_of(caplog, logger="vit_recipes.data.folder_index") -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == logging.WARNING]
 
 
@@ -121,7 +121,7 @@ def test_a_symlink_loop_is_skipped_in_one_line_and_a_linked_folder_is_followed(t
     os.symlink("..", root / "train" / "cat" / "up")
     classes(tmp_path / "more", names=("bird",), splits=("train",))
     os.symlink(tmp_path / "more" / "train" / "bird", root / "train" / "bird")  # a class kept elsewhere: followed
-    with caplog.at_level(logging.WARNING, logger="vit_recipes.folder_index"):
+    with caplog.at_level(logging.WARNING, logger="vit_recipes.data.folder_index"):
         loaded = load_any(str(root))
     assert warnings_of(caplog) == [
         "Skipped 1 symlinked folder(s) that lead back to a folder above them (a loop): train/cat/up"
@@ -192,7 +192,7 @@ def test_heic_photos_without_the_plugin_are_left_out_in_one_line_and_their_class
     monkeypatch.setattr(Image, "EXTENSION", {k: v for k, v in Image.EXTENSION.items() if k not in HEIF_EXTENSIONS})
     root = classes(tmp_path)
     tree(root, {f"train/dog/IMG_{i}.HEIC": b"a HEIC photo" for i in range(3)})
-    with caplog.at_level(logging.WARNING, logger="vit_recipes.folder_index"):
+    with caplog.at_level(logging.WARNING, logger="vit_recipes.data.folder_index"):
         splits = load_splits(DataArguments(dataset_name=str(root)))
     line = (
         "Left out 3 image(s) that PIL cannot open here (.heic), e.g. train/dog/IMG_0.HEIC: pip install pillow-heif "
@@ -233,7 +233,7 @@ def test_a_class_of_empty_files_is_refused_as_an_empty_class_is_and_a_stray_one_
     classes(ghost)
     tree(ghost, {"train/cat/9.png": b""})
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="vit_recipes.folder_index"):
+    with caplog.at_level(logging.WARNING, logger="vit_recipes.data.folder_index"):
         splits = load_splits(DataArguments(dataset_name=str(ghost)))
     line = "Left out 1 empty image file(s) (0 bytes): train/cat/9.png"
     assert warnings_of(caplog) == [line] and line in splits.notes and len(splits.train) == 6
@@ -276,7 +276,7 @@ def test_predict_images_are_found_by_the_indexers_walk(tmp_path, monkeypatch, ca
     folder = tree(tmp_path / "photos", {"a.png": png(), "._a.png": b"AppleDouble", ".thumbs/t.png": png(),
                                         "sub/b.png": png(), "IMG_1.heic": b"x", "empty.png": b""})  # fmt: skip
     os.symlink(elsewhere, folder / "linked")
-    with caplog.at_level(logging.WARNING, logger="vit_recipes.folder_index"):
+    with caplog.at_level(logging.WARNING, logger="vit_recipes.data.folder_index"):
         listing = load_image_folder(str(folder))
     assert listing["file"] == ["a.png", "empty.png", "linked/c.png", "sub/b.png"]  # an empty one: "unreadable"
     assert [f for f in walk(folder)[0] if not f.endswith(".heic")] == listing["file"]

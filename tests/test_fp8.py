@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, TRAIN_SEED, logged_losses, run_args, run_scripts_at_once
 from safetensors.torch import load_file
 
-from vit_recipes.errors import RecipeError
+from vit_recipes.core.errors import RecipeError
 
 DIGITS_RECIPE = ROOT / "recipes/quickstart/digits.yaml"
 
@@ -70,7 +70,7 @@ def test_fp8_matches_bf16_accuracy_and_saves_a_plain_model(digits_dir, tmp_path,
 def test_every_transformer_linear_layer_but_the_head_is_converted(tiny_vit):
     from transformers import ViTForImageClassification
 
-    from vit_recipes.fp8 import convert_to_fp8
+    from vit_recipes.model.fp8 import convert_to_fp8
 
     model = ViTForImageClassification.from_pretrained(tiny_vit)
     # 2 layers x (query, key, value, attention output, MLP in, MLP out); the head stays as it is
@@ -82,9 +82,9 @@ def test_every_transformer_linear_layer_but_the_head_is_converted(tiny_vit):
 def test_lora_adapters_and_head_stay_out_of_fp8(tiny_vit):
     from transformers import ViTForImageClassification
 
-    from vit_recipes.arguments import LoraArguments
-    from vit_recipes.fp8 import convert_to_fp8
-    from vit_recipes.lora import apply_lora
+    from vit_recipes.core.arguments import LoraArguments
+    from vit_recipes.model.fp8 import convert_to_fp8
+    from vit_recipes.model.lora import apply_lora
 
     model = ViTForImageClassification.from_pretrained(tiny_vit)
     model, _ = apply_lora(
@@ -101,8 +101,8 @@ def test_lora_adapters_and_head_stay_out_of_fp8(tiny_vit):
 
 
 def test_fp8_refusals(monkeypatch, tmp_path):
-    from vit_recipes import checks, plan
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
+    from vit_recipes.plan import checks, plan
 
     torchao = SimpleNamespace(fp8_backend="torchao")
 
@@ -153,7 +153,7 @@ def test_fp8_refusals(monkeypatch, tmp_path):
 
 
 def test_fp8_backend_needs_fp8_and_a_known_name(tmp_path):
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
 
     base = ["--dataset_name", "data", "--output_dir", str(tmp_path), "--report_to", "none"]
     with pytest.raises(
@@ -167,8 +167,8 @@ def test_fp8_backend_needs_fp8_and_a_known_name(tmp_path):
 
 
 def test_transformer_engine_is_refused_on_the_cpu(tmp_path):
-    from vit_recipes.arguments import parse_args
-    from vit_recipes.plan import build_plan
+    from vit_recipes.core.arguments import parse_args
+    from vit_recipes.plan.plan import build_plan
 
     args = parse_args(["--dataset_name", "data", "--output_dir", str(tmp_path), "--report_to", "none", "--use_cpu",
                        "true", "--fp8", "true", "--fp8_backend", "transformer_engine"])  # fmt: skip
@@ -177,8 +177,8 @@ def test_transformer_engine_is_refused_on_the_cpu(tmp_path):
 
 
 def test_fp8_with_deepspeed_is_refused_by_the_script(tmp_path):
-    from vit_recipes.arguments import parse_args
-    from vit_recipes.plan import build_plan
+    from vit_recipes.core.arguments import parse_args
+    from vit_recipes.plan.plan import build_plan
 
     args = parse_args(["--dataset_name", "data", "--output_dir", str(tmp_path), "--report_to", "none", "--use_cpu",
                        "true", "--fp8", "true", "--deepspeed", str(ROOT / "ds_configs/zero2.json")])  # fmt: skip
@@ -238,7 +238,7 @@ def test_transformer_engine_layers_train_the_vits_own_parameters(tiny_vit, monke
     as transformers' layers, the same state dict; evaluation and shapes FP8 cannot take run transformers' forward."""
     from transformers import ViTForImageClassification
 
-    from vit_recipes.fp8 import convert_to_fp8
+    from vit_recipes.model.fp8 import convert_to_fp8
 
     entered = fake_transformer_engine(monkeypatch)
     reference = ViTForImageClassification.from_pretrained(tiny_vit, hidden_dropout_prob=0.0)
@@ -276,9 +276,9 @@ def test_transformer_engine_layers_train_the_vits_own_parameters(tiny_vit, monke
 def test_transformer_engine_refuses_lora_and_other_models(tiny_vit, monkeypatch):
     from transformers import ViTForImageClassification
 
-    from vit_recipes.arguments import LoraArguments
-    from vit_recipes.fp8 import convert_to_fp8
-    from vit_recipes.lora import apply_lora
+    from vit_recipes.core.arguments import LoraArguments
+    from vit_recipes.model.fp8 import convert_to_fp8
+    from vit_recipes.model.lora import apply_lora
 
     fake_transformer_engine(monkeypatch)
     te = SimpleNamespace(fp8=True, fp8_backend="transformer_engine")

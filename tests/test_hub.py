@@ -6,9 +6,9 @@ import pytest
 from huggingface_hub import ModelCard, metadata_load
 from huggingface_hub.errors import OfflineModeIsEnabled
 
-from vit_recipes.card import CardInfo, build_model_card, hardware_description, write_model_card
-from vit_recipes.errors import RecipeError
-from vit_recipes.hub import check_push_ready, hub_error_message
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.core.hub import check_push_ready, hub_error_message
+from vit_recipes.publish.card import CardInfo, build_model_card, hardware_description, write_model_card
 
 FAKE_TOKEN = "hf_abcdefghijklmnopqrstuvwx"
 ENV_TOKEN = "hf_ZYXWVUTSRQPONMLKJIHGFEDCBA0123"
@@ -129,7 +129,7 @@ def test_a_transport_failure_is_a_network_error_whatever_the_hub_version_and_an_
     import huggingface_hub.errors
     from huggingface_hub.errors import HfHubHTTPError
 
-    from vit_recipes.hub import is_network_error
+    from vit_recipes.core.hub import is_network_error
 
     assert is_network_error(transport_error("ConnectError", "[Errno -2] Name or service not known"))
     assert is_network_error(transport_error("ReadTimeout", "timed out"))
@@ -141,7 +141,7 @@ def test_a_transport_failure_is_a_network_error_whatever_the_hub_version_and_an_
 
 def test_a_missing_local_folder_is_said_first_with_what_builds_it(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("vit_recipes.hub.offline_env", lambda: False)
+    monkeypatch.setattr("vit_recipes.core.hub.offline_env", lambda: False)
     err = transport_error("ConnectError", "[Errno -2] Name or service not known")
     message = hub_error_message(err, "download the dataset 'data/digits'", missing="data/digits")
     assert message.startswith("no local folder 'data/digits' in ") and "ConnectError" in message
@@ -347,8 +347,8 @@ def test_an_unreachable_hub_is_one_line_before_any_data_or_model(tmp_path, tiny_
 
 def test_the_cards_reproduce_command_is_the_launch_as_typed():
     """The strategy's own launcher and config, and none of what a launcher injects (--local_rank)."""
-    from vit_recipes import strategies
-    from vit_recipes.card import reproduce_command
+    from vit_recipes.plan import strategies
+    from vit_recipes.publish.card import reproduce_command
 
     def strategy(name, world, per_node=None, from_accelerate=False):
         spec = strategies.get(name)
@@ -379,7 +379,7 @@ def test_the_cards_licence_is_the_base_models_and_its_source_is_the_checkout(tmp
 
     from conftest import ROOT
 
-    from vit_recipes import card
+    from vit_recipes.publish import card
 
     base = tmp_path / "base"
     base.mkdir()

@@ -11,8 +11,8 @@ import torch
 from conftest import TRAIN_SEED, run_args, tiny_vit_config
 from safetensors.torch import load_file
 
-from vit_recipes.errors import RecipeError
-from vit_recipes.levers import EMA_FILE, add_drop_path, layer_decay_groups
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.model.levers import EMA_FILE, add_drop_path, layer_decay_groups
 
 SAVE_EVERY_2 = ("--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "5", "--do_eval", "false")
 
@@ -54,8 +54,8 @@ def test_layer_decay_gives_each_layer_its_rate_and_keeps_the_trainers_weight_dec
 
 
 def test_layer_decay_reaches_the_trainers_optimizer_and_scheduler(tmp_path):
-    from vit_recipes.arguments import RecipeTrainingArguments
-    from vit_recipes.trainer import ImageClassificationTrainer
+    from vit_recipes.core.arguments import RecipeTrainingArguments
+    from vit_recipes.train.trainer import ImageClassificationTrainer
 
     args = RecipeTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", learning_rate=1e-3,
                                    layer_decay=0.5, lr_scheduler_type="linear", eval_strategy="no")  # fmt: skip
@@ -86,7 +86,7 @@ def test_layer_decay_with_lora_groups_the_trained_parameters_alone():
 def test_drop_path_is_exact_stochastic_depth_in_training_and_off_in_evaluation(monkeypatch):
     """Each residual branch of each training sample is kept (scaled by 1 / (1 - p)) or dropped whole, p growing from
     0 to the rate over depth: a hand-written residual forward with the drawn masks gives the same logits."""
-    import vit_recipes.levers as levers
+    import vit_recipes.model.levers as levers
 
     plain, model = tiny_model(3), tiny_model(3)
     assert add_drop_path(model, 0.5) == 3
@@ -117,7 +117,7 @@ def test_drop_path_is_exact_stochastic_depth_in_training_and_off_in_evaluation(m
 
 
 def test_random_erasing_replaces_one_box_per_chosen_image_with_noise():
-    from vit_recipes.transforms import TrainTransform, random_erase
+    from vit_recipes.data.transforms import TrainTransform, random_erase
 
     torch.manual_seed(0)
     x = torch.zeros(4000, 3, 16, 16)
@@ -173,10 +173,10 @@ def test_ema_is_refused_where_weights_are_sharded_and_with_load_best_model_at_en
 
     from conftest import ROOT
 
-    from vit_recipes import strategies
-    from vit_recipes.arguments import parse_args
-    from vit_recipes.checks import check_plan
-    from vit_recipes.plan import build_plan, read_strategy
+    from vit_recipes.core.arguments import parse_args
+    from vit_recipes.plan import strategies
+    from vit_recipes.plan.checks import check_plan
+    from vit_recipes.plan.plan import build_plan, read_strategy
 
     assert [s.name for s in strategies.STRATEGIES if not s.supports("ema")] == [
         "zero3", "zeropp", "zero3_offload", "fsdp2", "fsdp2_offload"
@@ -192,7 +192,7 @@ def test_ema_is_refused_where_weights_are_sharded_and_with_load_best_model_at_en
             build_plan(parse_args([*base, *ema, "--deepspeed", path]))
     args = parse_args([*base, *ema])
     plan = build_plan(args)  # one process: EMA trains
-    monkeypatch.setattr("vit_recipes.checks.visible_gpus", lambda: 2)
+    monkeypatch.setattr("vit_recipes.plan.checks.visible_gpus", lambda: 2)
     for offload, label in ((False, "FSDP2"), (True, "FSDP2 + offload")):
         fsdp = types.SimpleNamespace(fsdp="full_shard auto_wrap", world_size=2, fsdp_config={"cpu_offload": offload})
         on_gpus = dataclasses.replace(plan, strategy=read_strategy(fsdp), device="cuda")
@@ -257,7 +257,7 @@ def test_drop_path_rate_sets_the_config_field_of_families_that_have_one(tmp_path
     from conftest import model_args
     from test_families import tiny
 
-    from vit_recipes.modeling import build_model
+    from vit_recipes.model.modeling import build_model
 
     config, _ = tiny("beit")
     config.num_hidden_layers = 3

@@ -16,17 +16,17 @@ import yaml
 from conftest import FAST_ARGS, ROOT, model_args, tiny_vit_config
 from safetensors.torch import load_file
 
-from vit_recipes.adapters import (
+from vit_recipes.core.arguments import LoraArguments, parse_args
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.model.adapters import (
     check_adapter_strategy,
     check_saved_adapter,
     load_model,
     without_activation_wrappers,
     write_base_record,
 )
-from vit_recipes.arguments import LoraArguments, parse_args
-from vit_recipes.errors import RecipeError
-from vit_recipes.flops import training_flops_per_image
-from vit_recipes.lora import (
+from vit_recipes.model.flops import training_flops_per_image
+from vit_recipes.model.lora import (
     apply_lora,
     attach_adapter,
     base_signature,
@@ -34,7 +34,7 @@ from vit_recipes.lora import (
     resolve_target_modules,
     unwrap,
 )
-from vit_recipes.modeling import FinetuneSetup, build_finetune_model
+from vit_recipes.model.modeling import FinetuneSetup, build_finetune_model
 
 
 def tiny_model(seed=0, hidden=32, labels=5):
@@ -76,7 +76,7 @@ def test_lora_recipes_set_lora_and_parse(tmp_path):
 
 
 def test_run_config_tells_lora_runs_apart_and_leaves_full_runs_unchanged(tmp_path):
-    from vit_recipes.arguments import run_config
+    from vit_recipes.core.arguments import run_config
 
     base = ["--output_dir", str(tmp_path), "--dataset_name", "x", "--use_cpu", "true"]
     full = run_config(parse_args(base))
@@ -204,7 +204,7 @@ def saved_adapter(tmp_path):
 
 
 def test_base_signature_survives_bf16_and_tells_bases_apart():
-    from vit_recipes.lora import same_base
+    from vit_recipes.model.lora import same_base
 
     fp32 = tiny_model(seed=0)
     signature = base_signature(fp32)
@@ -282,7 +282,7 @@ def test_adapter_saved_without_its_lora_weights_is_refused_when_saved(saved_adap
 
 
 def test_card_fields_name_peft_and_the_base_for_adapters():
-    from vit_recipes.card import CardInfo, build_model_card
+    from vit_recipes.publish.card import CardInfo, build_model_card
 
     setup = FinetuneSetup("lora", False, None, ["a", "b"], {"train_trainable_percent": 0.77}, lora={"lora_r": 16})
     info = dict(
@@ -368,7 +368,7 @@ def test_the_shipped_strategy_configs_pass_the_lora_checks():
 
 
 def test_training_flops_count_no_weight_gradients_for_a_frozen_backbone():
-    from vit_recipes.flops import forward_flops
+    from vit_recipes.model.flops import forward_flops
 
     config = tiny_model().config
     forward = forward_flops(config)

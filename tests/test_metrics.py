@@ -10,7 +10,7 @@ from conftest import METRIC_PATH, load_metric
 from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_score, top_k_accuracy_score
 from transformers import EvalPrediction
 
-from vit_recipes.metrics import make_compute_metrics
+from vit_recipes.core.metrics import make_compute_metrics
 
 EXACT = {"abs": 1e-9, "rel": 0}
 
@@ -135,7 +135,7 @@ def test_top5_is_left_out_with_five_classes_or_fewer():
 
 def with_left_out(logits: np.ndarray, labels: np.ndarray, rows: list[int]):
     """The arrays with rows of unreadable images inserted at `rows`: logits that would score, labels LEFT_OUT."""
-    from vit_recipes.metrics import LEFT_OUT
+    from vit_recipes.core.metrics import LEFT_OUT
 
     for row in rows:
         logits = np.insert(logits, row, 1e4 * (np.arange(logits.shape[1]) == 1), axis=0)
@@ -164,8 +164,8 @@ def test_the_evaluation_loss_and_reports_count_only_the_images_read(tmp_path, ca
     import torch.nn.functional as F
     from transformers.trainer_utils import EvalLoopOutput
 
-    from vit_recipes.loss import ClassificationLoss, evaluation_loss
-    from vit_recipes.reports import write_reports
+    from vit_recipes.publish.reports import write_reports
+    from vit_recipes.train.loss import ClassificationLoss, evaluation_loss
 
     logits, labels = hard_case(5, 10, 50)
     padded_logits, padded_labels = with_left_out(logits, labels, [0, 1, 2])

@@ -2,12 +2,12 @@ import pytest
 import torch
 from conftest import model_args
 
-from vit_recipes.errors import RecipeError
-from vit_recipes.modeling import build_model, evaluation_processor, mean_std
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.model.modeling import build_model, evaluation_processor, mean_std
 
 
 def test_pretrained_head_is_replaced_with_one_log_line(tiny_vit, caplog):
-    caplog.set_level("INFO", logger="vit_recipes.modeling")
+    caplog.set_level("INFO", logger="vit_recipes.model.modeling")
     model, image_size = build_model(model_args(model_name_or_path=str(tiny_vit)), ["a", "b", "c"])
     assert image_size == 16
     assert model.classifier.out_features == 3
@@ -117,8 +117,8 @@ def test_a_hidden_size_the_head_count_does_not_divide_is_refused():
     """ViT built it with a narrower attention (hidden 96, 5 heads: query 95 x 96) and trained without a word."""
     from transformers import ViTConfig
 
-    from vit_recipes.errors import RecipeError
-    from vit_recipes.modeling import check_config
+    from vit_recipes.core.errors import RecipeError
+    from vit_recipes.model.modeling import check_config
 
     config = ViTConfig(hidden_size=96, num_attention_heads=5, image_size=32, patch_size=4)
     with pytest.raises(
@@ -130,12 +130,12 @@ def test_a_hidden_size_the_head_count_does_not_divide_is_refused():
 def test_config_overrides_next_to_a_checkpoint_say_they_are_ignored(tiny_vit, caplog):
     from types import SimpleNamespace
 
-    from vit_recipes.memory import config_from_args
+    from vit_recipes.model.facts import config_from_args
 
     args = SimpleNamespace(model_name_or_path=str(tiny_vit), config_overrides="image_size=64,patch_size=8",
                            cache_dir=None, model_revision="main")  # fmt: skip
     with caplog.at_level("WARNING"):
         config, pretrained = config_from_args(args)
-        config_from_args(args)  # the plan, the checks and the model each read it: said once
+        config_from_args(args)  # once a process (a run reads the config once, in its plan): said once
     assert pretrained and config.image_size != 64
     assert caplog.text.count("--config_overrides (image_size=64,patch_size=8) is ignored") == 1

@@ -18,13 +18,13 @@ from PIL import Image as PILImage
 from sklearn.metrics import accuracy_score, average_precision_score, f1_score
 from transformers import EvalPrediction
 
-from vit_recipes import transforms as T
-from vit_recipes.data import ImageSplits, balanced_weights, load_splits
-from vit_recipes.decoding import PixelCollator, decode_splits
-from vit_recipes.errors import RecipeError
-from vit_recipes.metrics import make_compute_metrics
-from vit_recipes.reports import write_reports
-from vit_recipes.trainer import ImageClassificationTrainer
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.core.metrics import make_compute_metrics
+from vit_recipes.data import transforms as T
+from vit_recipes.data.data import ImageSplits, balanced_weights, load_splits
+from vit_recipes.data.decoding import PixelCollator, decode_splits
+from vit_recipes.publish.reports import write_reports
+from vit_recipes.train.trainer import ImageClassificationTrainer
 
 DIGITS = [str(i) for i in range(10)]
 
@@ -271,7 +271,7 @@ def test_real_digit_mosaics_beat_a_frozen_backbone(digit_mosaics, tmp_path, run_
     ],
 )
 def test_bad_multi_label_arguments_are_one_line(tmp_path, flag, value, message):
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
 
     with pytest.raises(RecipeError, match=message):
         parse_args(["--dataset_name", "x", "--output_dir", str(tmp_path), *FAST_ARGS, flag, value])

@@ -11,9 +11,9 @@ import types
 import pytest
 from conftest import ROOT, run_args
 
-from vit_recipes.arguments import parse_args, resolve_report_to
-from vit_recipes.errors import RecipeError
-from vit_recipes.meter import SpeedMeter
+from vit_recipes.core.arguments import parse_args, resolve_report_to
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.train.meter import SpeedMeter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -49,11 +49,11 @@ def test_tensorboard_is_the_default_tracker(tmp_path):
 
 
 def test_default_degrades_with_one_line_without_tensorboard(monkeypatch, caplog):
-    monkeypatch.setattr("vit_recipes.arguments.tensorboard_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="vit_recipes.arguments"):
+    monkeypatch.setattr("vit_recipes.core.arguments.tensorboard_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="vit_recipes.core.arguments"):
         assert resolve_report_to("tensorboard") == "none"
         assert resolve_report_to(["tensorboard", "wandb"]) == "wandb"
-    assert [r.getMessage() for r in caplog.records if r.name == "vit_recipes.arguments"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "vit_recipes.core.arguments"] == [
         "tensorboard is not installed: TensorBoard logging is off (pip install tensorboard)."
     ] * 2
 
@@ -79,7 +79,7 @@ class _Args:
 
 def test_step_metrics_per_log_interval(monkeypatch):
     clock = iter([0.0, 1.0, 1.5, 2.0, 10.0, 10.25])
-    monkeypatch.setattr("vit_recipes.meter.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("vit_recipes.train.meter.time.perf_counter", lambda: next(clock))
     callback = SpeedMeter(images_per_step=16, flops_per_image=1e9, peak_flops=64e9)
     callback.on_train_begin(_Args, None, None)  # t=0
     callback.add_data_wait(0.25)
@@ -106,7 +106,7 @@ def test_meter_records_the_wait_before_training_runs_at_speed(monkeypatch):
     import psutil
 
     clock = iter([0.0, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5, 3.6])  # the first step compiles
-    monkeypatch.setattr("vit_recipes.meter.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("vit_recipes.train.meter.time.perf_counter", lambda: next(clock))
     meter = SpeedMeter(images_per_step=4)
     meter.on_train_begin(_Args, None, None)
     for step in range(1, 8):
@@ -221,7 +221,7 @@ def test_trackio_logs_locally(cifar_like, tiny_vit, tmp_path, run_script, monkey
 
 
 def test_plots_say_when_train_loss_is_smoothed_and_draw_amounts_from_zero(tmp_path, monkeypatch):
-    from vit_recipes import plots
+    from vit_recipes.publish import plots
 
     figures = []
     monkeypatch.setattr(plots, "save_png", lambda fig, path: figures.append(fig) or path)
@@ -253,7 +253,7 @@ def test_plots_say_when_train_loss_is_smoothed_and_draw_amounts_from_zero(tmp_pa
 
 def test_every_plot_reads_at_a_glance(tmp_path, monkeypatch):
     """Titles in words, both axes labelled (with units), zero-based y axes, no point on the frame, legends outside."""
-    from vit_recipes import plots
+    from vit_recipes.publish import plots
 
     figures = []
     monkeypatch.setattr(plots, "save_png", lambda fig, path: figures.append(fig) or path)
@@ -298,7 +298,7 @@ def test_the_logged_grad_norm_is_the_mean_over_the_logging_window(monkeypatch):
     import torch
     from transformers import Trainer
 
-    from vit_recipes.trainer import ImageClassificationTrainer
+    from vit_recipes.train.trainer import ImageClassificationTrainer
 
     norms, logged = iter([1.0, 10.0, 4.0, 7.0]), []
     monkeypatch.setattr(Trainer, "_get_grad_norm", lambda self, model, grad_norm=None: torch.tensor(next(norms)))
@@ -323,8 +323,8 @@ def test_a_non_finite_loss_is_logged_by_the_trainers_rule_without_a_check_on_the
     from conftest import tiny_vit_config
     from transformers import Trainer, ViTForImageClassification
 
-    from vit_recipes.arguments import RecipeTrainingArguments
-    from vit_recipes.trainer import ImageClassificationTrainer
+    from vit_recipes.core.arguments import RecipeTrainingArguments
+    from vit_recipes.train.trainer import ImageClassificationTrainer
 
     class TrainersOwnCheck(ImageClassificationTrainer):  # the Trainer's path: its host-side check, no device rule
         def train(self, *args, **kwargs):
@@ -373,8 +373,8 @@ def test_training_runs_with_what_was_built_out_of_the_garbage_collectors_way(tmp
     from conftest import tiny_vit_config
     from transformers import TrainerCallback, ViTForImageClassification
 
-    from vit_recipes.arguments import RecipeTrainingArguments
-    from vit_recipes.trainer import ImageClassificationTrainer
+    from vit_recipes.core.arguments import RecipeTrainingArguments
+    from vit_recipes.train.trainer import ImageClassificationTrainer
 
     frozen = []
 

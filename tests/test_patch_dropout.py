@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import tiny_vit_config
 
-from vit_recipes.errors import RecipeError
-from vit_recipes.patch_dropout import add_patch_dropout, keep_patches
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.model.patch_dropout import add_patch_dropout, keep_patches
 
 
 def tiny_model(seed: int = 0):
@@ -49,8 +49,8 @@ def test_training_sees_fewer_tokens_and_evaluation_every_patch(rate, keep):
 
 
 def test_training_with_patch_dropout_backpropagates_through_lora():
-    from vit_recipes.arguments import LoraArguments
-    from vit_recipes.lora import apply_lora
+    from vit_recipes.core.arguments import LoraArguments
+    from vit_recipes.model.lora import apply_lora
 
     model, _ = apply_lora(tiny_model(), LoraArguments(use_peft=True))
     add_patch_dropout(model, 0.5)
@@ -72,18 +72,27 @@ def test_rate_zero_changes_nothing_and_a_model_without_cls_token_is_refused():
 
 
 def test_rate_outside_zero_to_one_is_one_line():
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
 
     with pytest.raises(RecipeError, match=r"patch_dropout must be in \[0, 1\), got 1.0"):
         parse_args(["--dataset_name", "x", "--output_dir", "o", "--use_cpu", "true", "--patch_dropout", "1"])
 
 
 @pytest.mark.slow
-def test_a_run_with_patch_dropout_trains_evaluates_and_says_so(cifar_like, tiny_vit, tmp_path, run_script, capsys):
+def test_a_run_with_patch_dropout_trains_evaluates_and_says_so_reading_the_config_once(
+    cifar_like, tiny_vit, tmp_path, run_script, capsys, monkeypatch
+):
+    """The model's config is read once a run, by the plan (vit_recipes.model.facts.ModelFacts): the memory estimate, the
+    family check that --patch_dropout asks for and the model's building each read it again before."""
     from conftest import run_args
+    from transformers import AutoConfig
 
-    out = tmp_path / "run"
+    out, read, from_pretrained = tmp_path / "run", [], AutoConfig.from_pretrained
+    monkeypatch.setattr(
+        AutoConfig, "from_pretrained", lambda name, **kw: read.append(name) or from_pretrained(name, **kw)
+    )
     results = run_script(*run_args(cifar_like, tiny_vit, out, "--max_steps", "4", "--patch_dropout", "0.5"))
+    assert read == [str(tiny_vit)]
     assert results["train_loss"] > 0 and "eval_accuracy" in results
     assert "--patch_dropout 0.5: training images keep 8 of 16 patches; evaluation sees all" in capsys.readouterr().out
     assert "| patch_dropout | 0.5 |" in (out / "README.md").read_text()

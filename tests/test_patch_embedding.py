@@ -10,7 +10,7 @@ import torch
 from conftest import model_args
 from torch import nn
 
-from vit_recipes.patch_embedding import PatchMatmulConv2d, is_patch_conv, use_patch_matmul
+from vit_recipes.model.patch_embedding import PatchMatmulConv2d, is_patch_conv, use_patch_matmul
 
 
 @pytest.mark.parametrize("height,width", [(16, 16), (18, 23)])  # 18x23: edge pixels a convolution drops
@@ -42,7 +42,7 @@ def test_only_non_overlapping_unpadded_convolutions_are_swapped():
 
 
 def test_the_vit_keeps_its_outputs_and_checkpoint_format(tiny_vit):
-    from vit_recipes.modeling import build_model
+    from vit_recipes.model.modeling import build_model
 
     labels = [f"c{i}" for i in range(7)]
     fast, _ = build_model(model_args(model_name_or_path=str(tiny_vit), patch_embedding_matmul=True), labels)

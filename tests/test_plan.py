@@ -9,9 +9,9 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from vit_recipes import strategies
-from vit_recipes.arguments import ARGUMENT_CLASSES, parse_args
-from vit_recipes.plan import build_plan, read_strategy
+from vit_recipes.core.arguments import ARGUMENT_CLASSES, parse_args
+from vit_recipes.plan import strategies
+from vit_recipes.plan.plan import build_plan, read_strategy
 
 
 def strategy_args(deepspeed=None, fsdp="", world_size=1):
@@ -77,7 +77,7 @@ def test_the_plan_derives_the_global_batch_precision_and_output_state_once(tmp_p
 
 
 def test_regional_compilation_under_zero3_is_refused_by_the_table(tmp_path):
-    from vit_recipes.errors import RecipeError
+    from vit_recipes.core.errors import RecipeError
 
     args = parse_args(
         ["--dataset_name", "x", "--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none"]
@@ -121,8 +121,8 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
     from conftest import tiny_vit_config
     from transformers import ViTForImageClassification
 
-    import vit_recipes.arguments
-    from vit_recipes.plan import (
+    import vit_recipes.core.arguments
+    from vit_recipes.plan.plan import (
         COMPILE_PAYS_AFTER_STEPS,
         COMPILE_PAYS_AFTER_STEPS_WARM,
         configure,
@@ -141,7 +141,7 @@ def test_regional_compilation_by_default_only_where_it_pays(tmp_path, monkeypatc
     monkeypatch.setattr(huggingface_hub.constants, "HF_HOME", str(tmp_path / "hf"))
     model = ViTForImageClassification(tiny_vit_config())
     tf32 = []  # TF32 turned on: by TrainingArguments for a compile asked for, by the plan for one it decides
-    for module in (vit_recipes.arguments, transformers.training_args):
+    for module in (vit_recipes.core.arguments, transformers.training_args):
         monkeypatch.setattr(module, "is_torch_tf32_available", lambda: True)
         monkeypatch.setattr(module, "enable_tf32", tf32.append)
 
@@ -268,8 +268,9 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
     less fits says so in one line."""
     import torch
 
-    from vit_recipes.memory import estimate, model_shape
-    from vit_recipes.plan import FITS_WITHIN, advise_memory
+    from vit_recipes.model.facts import read_model_facts
+    from vit_recipes.plan.memory import estimate, model_shape
+    from vit_recipes.plan.plan import FITS_WITHIN, advise_memory
 
     tiny = "image_size=32,patch_size=8,hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=256"
     gpu = {"bytes": 0}
@@ -290,11 +291,11 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
             )
         gpu["bytes"] = memory
         caplog.clear()
-        caplog.set_level("INFO", logger="vit_recipes.plan")
-        strategy = advise_memory(args, strategy, "bf16")
+        caplog.set_level("INFO", logger="vit_recipes.plan.plan")
+        strategy = advise_memory(args, strategy, "bf16", read_model_facts(args.model))
         return (
             args.training.gradient_checkpointing,
-            [r.getMessage() for r in caplog.records if r.name == "vit_recipes.plan"],
+            [r.getMessage() for r in caplog.records if r.name == "vit_recipes.plan.plan"],
             strategy,
         )
 
@@ -321,21 +322,21 @@ def test_checkpointing_left_unset_follows_the_memory_estimate_and_a_lighter_stra
     assert on is True and strategy.fsdp_activation_checkpointing
     assert len(lines) == 1 and lines[0].startswith("Gradient checkpointing on")
     # Only the run's row and the lighter ones are estimated; with nothing to decide or suggest, nothing is built
-    from vit_recipes import plan
+    from vit_recipes.plan import plan
 
     asked = []
     monkeypatch.setattr(plan, "estimate", lambda *a, keys, **kw: asked.append(keys) or estimate(*a, keys=keys, **kw))
     advised("zero3", 2 * ddp.total / FITS_WITHIN)
     advised("single", between)
     assert asked == [("ddp", "zero1", "zero2", "fsdp2", "zero3"), ("ddp",)]
-    monkeypatch.setattr(plan, "config_from_args", lambda *a: pytest.fail("the model's config was read"))
+    monkeypatch.setattr(plan, "model_shape", lambda *a: pytest.fail("the model's shape was built"))
     assert advised("single", between, "--gradient_checkpointing", "true")[:2] == (True, [])
     assert advised("ddp", between, "--gradient_checkpointing", "false")[:2] == (False, [])
 
 
 def test_a_warm_up_as_long_as_the_run_is_said_in_one_line(tmp_path, caplog):
     """The ViT-B recipe cut to one epoch (351 steps) keeps its 500 warm-up steps: its learning rate never peaks."""
-    from vit_recipes.plan import planned_steps, warn_if_warmup_outlasts_the_run
+    from vit_recipes.plan.plan import planned_steps, warn_if_warmup_outlasts_the_run
 
     def said(*extra, images=45_000):
         args = parse_args(["--config", str(ROOT / "recipes/vit-base/cifar100/config_full.yaml"), "--output_dir",

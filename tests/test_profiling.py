@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_args
 
-from vit_recipes.observability import flops_profiler_output, keep_flops_profile
+from vit_recipes.train.observability import flops_profiler_output, keep_flops_profile
 
 sys.path.append(str(ROOT / "tools"))  # trace_analysis is a script there, not part of the package
 trace_analysis = importlib.import_module("trace_analysis")

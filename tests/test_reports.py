@@ -11,7 +11,7 @@ import pytest
 from matplotlib.image import imread
 from sklearn.metrics import confusion_matrix as sk_confusion_matrix
 
-from vit_recipes.reports import confusion_matrix, per_class_accuracy, plot_confusion_matrix, write_reports
+from vit_recipes.publish.reports import confusion_matrix, per_class_accuracy, plot_confusion_matrix, write_reports
 
 NAMES = ["cat", "dog", "bird", "fish"]
 # cat: 2/3 right, dog: 1/2, bird: 1/1, fish: no samples (but predicted once).
@@ -118,7 +118,7 @@ def test_class_names_a_font_cannot_draw_become_class_ids(tmp_path, monkeypatch):
     confusion matrix labels its axes with class ids (the per-class CSV maps them to names)."""
     from matplotlib import font_manager
 
-    from vit_recipes.reports import plot_confusion_matrix, tick_names
+    from vit_recipes.publish.reports import plot_confusion_matrix, tick_names
 
     assert tick_names(["cat", "dog"], [0, 1]) == (["cat", "dog"], None)
     # An emoji no real font here has: matplotlib's LastResort font claims every character and draws boxes
@@ -133,8 +133,8 @@ def test_class_names_a_font_cannot_draw_become_class_ids(tmp_path, monkeypatch):
 def test_the_figure_process_draws_what_the_run_would_and_reports_its_failure(tmp_path):
     """figures.FigureProcess: the training plots and the confusion matrix drawn in a child process are the PNGs the
     run's own process draws, byte for byte; a figure it cannot write fails finish() with the child's error line."""
-    from vit_recipes.figures import FigureProcess
-    from vit_recipes.plots import write_plots
+    from vit_recipes.publish.figures import FigureProcess
+    from vit_recipes.publish.plots import write_plots
 
     history = [{"loss": 2.0 - 0.1 * s, "learning_rate": 1e-3, "grad_norm": 1.0, "step": s, "epoch": s / 10}
                for s in range(1, 11)] + [{"eval_loss": 1.0, "eval_accuracy": 0.5, "step": 10, "epoch": 1.0}]  # fmt: skip

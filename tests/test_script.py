@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, TRAIN_SEED, logged_losses, run_args
 from safetensors.torch import load_file
 
-from vit_recipes.errors import RecipeError
+from vit_recipes.core.errors import RecipeError
 
 pytestmark = pytest.mark.slow
 
@@ -332,7 +332,7 @@ def test_without_a_test_split_the_final_reports_reuse_the_last_steps_evaluation(
 ):
     """--eval_strategy epoch scores validation at the last step (--max_steps stops mid-epoch): the final metrics and
     reports are that evaluation's, with no second pass over validation, and equal a fresh prediction's."""
-    from vit_recipes.reports import write_reports
+    from vit_recipes.publish.reports import write_reports
 
     out = tmp_path / "run"
     run_script(*tiny_run_args(cifar_without_test, tiny_vit, out, "--max_steps", "6", "--eval_strategy", "epoch",

@@ -54,7 +54,7 @@ def test_report_table_for_two_gpus(report):
 
 def test_use_this_when_and_breakdown(report):
     text = report.read_text()
-    from vit_recipes import strategies
+    from vit_recipes.plan import strategies
 
     assert set(strategy_report.USE_WHEN) == {s.name for s in strategies.STRATEGIES}  # advice for every row
     base = section(text, "## vit-base, 2 GPUs")

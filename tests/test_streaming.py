@@ -1,4 +1,4 @@
-"""--streaming (src/vit_recipes/streaming.py): each rank reads its own shards of a stream that repeats, its position
+"""--streaming (src/vit_recipes/data/streaming.py): each rank reads its own shards of a stream that repeats, its position
 saved in checkpoints; 2 processes over gloo train an epoch of unequal shards without a hang and resume exactly. A
 Trainer with the stream mixin runs in-process on a tiny model: resumes, worker counts and broken shards."""
 
@@ -22,8 +22,8 @@ from conftest import ROOT, pattern_images, save_tiny_vit
 from PIL import Image as PILImage
 from safetensors.torch import load_file
 
-from vit_recipes.errors import RecipeError
-from vit_recipes.streaming import STATE_FILE, RankStream, StreamedBatches, StreamError, load_stream_splits
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.data.streaming import STATE_FILE, RankStream, StreamedBatches, StreamError, load_stream_splits
 
 CLASSES = 4
 SHARDS = (40, 8, 24, 8)  # unequal: 2 ranks read 48 and 32 images a pass (or 64 and 16)
@@ -143,7 +143,7 @@ def test_two_ranks_read_disjoint_parts_and_a_stateful_loader_resumes_exactly(sha
 
 
 def test_streaming_refuses_what_a_stream_cannot_do(tmp_path):
-    from vit_recipes.arguments import parse_args
+    from vit_recipes.core.arguments import parse_args
 
     base = ["--dataset_name", "x", "--output_dir", str(tmp_path), "--streaming", "true", "--use_cpu", "true"]
     for extra, said in ((["--max_train_samples", "5"], "--max_train_samples"),
@@ -198,7 +198,7 @@ def test_two_processes_stream_unequal_shards_without_a_hang_and_resume_to_the_sa
 
 
 def data_args(source, **kw):
-    from vit_recipes.arguments import DataArguments
+    from vit_recipes.core.arguments import DataArguments
 
     return DataArguments(dataset_name=str(source), streaming=True, shuffle_buffer_size=0, **kw)
 
@@ -225,7 +225,7 @@ def stream_trainer(stream, out: Path, steps: int, seen: list, workers: int = 0):
     gets each batch's pixel sum, in order."""
     import transformers
 
-    from vit_recipes.decoding import DecodingCollator
+    from vit_recipes.data.decoding import DecodingCollator
 
     class Collate(DecodingCollator):
         def __call__(self, rows):
@@ -269,7 +269,7 @@ def test_a_stream_resumed_on_another_process_count_starts_over_and_says_so(shard
     state = torch.load(state_file, weights_only=False)
     torch.save({**state, "world_size": 2}, state_file)  # written by a run of 2 processes
     resumed = []
-    with caplog.at_level(logging.WARNING, "vit_recipes.streaming"):
+    with caplog.at_level(logging.WARNING, "vit_recipes.data.streaming"):
         stream_trainer(stream_splits(shards).train, tmp_path, 4, resumed).train(tmp_path / "checkpoint-2")
     assert resumed == straight[:2]  # from the stream's start, not from the other run's saved positions
     assert "holds no stream position for 1 process(es): the stream starts over" in caplog.text
@@ -357,13 +357,13 @@ def test_a_file_of_row_groups_streams_as_one_shard_per_row_group(shards, tmp_pat
 def test_workers_holding_over_half_the_memory_in_row_groups_are_one_warning(shards, tmp_path, monkeypatch, caplog):
     """Each worker holds the row group it reads: where all of them would hold over half this machine's memory (a
     file of one large row group, read whole by every worker sharing it), one line says so and what to do."""
-    from vit_recipes import streaming
+    from vit_recipes.data import streaming
 
     stream = stream_splits(shards).train
     biggest, file = stream.largest_row_group
     assert file.endswith("train-00002-of-00004.parquet")  # 24 images in one row group: the largest
     monkeypatch.setattr(streaming.psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * biggest))
-    with caplog.at_level(logging.WARNING, "vit_recipes.streaming"):
+    with caplog.at_level(logging.WARNING, "vit_recipes.data.streaming"):
         stream_trainer(stream, tmp_path, 4, [], workers=2).get_train_dataloader()  # 6 x biggest: under half of 16
         assert not caplog.text
         stream_trainer(stream, tmp_path, 4, [], workers=4).get_train_dataloader()  # 12 x biggest: over
@@ -390,7 +390,7 @@ def test_a_stream_resumed_with_other_dataloader_workers_starts_over_and_says_so(
     other images. The resumed run starts the stream over, as on another process count, and says why."""
     stream_trainer(stream_splits(shards).train, tmp_path, 2, [], workers=1).train()
     resumed, straight = [], []
-    with caplog.at_level(logging.WARNING, "vit_recipes.streaming"):
+    with caplog.at_level(logging.WARNING, "vit_recipes.data.streaming"):
         stream_trainer(stream_splits(shards).train, tmp_path, 4, resumed).train(tmp_path / "checkpoint-2")
     stream_trainer(stream_splits(shards).train, tmp_path / "straight", 2, straight).train()
     assert resumed == straight  # steps 3-4 read the stream's first batches
@@ -448,7 +448,7 @@ def test_a_label_missing_at_run_time_is_one_line_even_from_a_worker(shards, tmp_
     folder = copy_of(shards, tmp_path)
     shard = folder / "data" / "train-00002-of-00004.parquet"
     datasets.Dataset.from_parquet(str(shard)).remove_columns("label").to_parquet(str(shard))
-    monkeypatch.setattr("vit_recipes.streaming.check_shard_columns", lambda *a: None)
+    monkeypatch.setattr("vit_recipes.data.streaming.check_shard_columns", lambda *a: None)
     stream = stream_splits(folder).train
     with pytest.raises(StreamError) as caught:
         first_batches(stream, workers)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 
-from vit_recipes import transforms as T
+from vit_recipes.data import transforms as T
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 POLICIES = ("none", "randaugment", "trivialaugment")
@@ -429,7 +429,7 @@ def test_train_draws_are_keyed_by_seed_rank_step_and_micro_batch():
 
 
 def test_each_training_batch_gets_the_randomness_of_its_rank_step_and_micro_batch():
-    from vit_recipes.batches import DeviceBatches
+    from vit_recipes.data.batches import DeviceBatches
 
     class Trainer:  # what DeviceBatches reads of the Trainer; its training_step hands back the batch's randomness
         def __init__(self, rank):

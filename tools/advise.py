@@ -3,12 +3,12 @@
     python tools/advise.py --model google/vit-huge-patch14-224-in21k --gpus 4 --batch 32
     python tools/advise.py --model ./my-checkpoint --gpus 8 --nodes 2 --batch 64 --gpu-memory 141
 
-For every multi-process strategy of the table (vit_recipes/strategies.py) it prints, per GPU, parameters,
+For every multi-process strategy of the table (vit_recipes/plan/strategies.py) it prints, per GPU, parameters,
 gradients, optimizer states and activations (without / with gradient checkpointing), whether that fits
-`--gpu-memory`, the host memory offloading needs per node (vit_recipes/memory.py), and the config file to launch
+`--gpu-memory`, the host memory offloading needs per node (vit_recipes/plan/memory.py), and the config file to launch
 with. It reads only the model's config (no weights).
 
-The figures come from vit_recipes/memory.py. A run reads the same estimate at start: gradient
+The figures come from vit_recipes/plan/memory.py. A run reads the same estimate at start: gradient
 checkpointing left unset turns on only where the batch does not fit without it, and a sharded strategy where a
 faster one fits says so in one line.
 
@@ -36,8 +36,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vit_recipes.errors import RecipeError
-from vit_recipes.memory import GIB, PREFERENCE, Estimate, ModelShape, estimate, gib, load_config, model_shape
+from vit_recipes.core.errors import RecipeError
+from vit_recipes.model.facts import load_config
+from vit_recipes.plan.memory import GIB, PREFERENCE, Estimate, ModelShape, estimate, gib, model_shape
 
 
 def fits(e: Estimate, gpu_bytes: float) -> str:

@@ -55,7 +55,9 @@ WRONG_SOURCE = 99  # a run's exit code when the package did not come from its co
 
 @dataclass
 class Mutation:
-    module: str  # a module of src/vit_recipes (decoding), or a path under src/ (src/vit_recipes/decoding.py)
+    # a module of src/vit_recipes: its name (decoding), found in whichever folder holds it, or folder/name where
+    # two share a name (model/adapters); or a path under src/ (src/vit_recipes/data/decoding.py)
+    module: str
     id: str  # unique within its module; cited as module/id
     removes: str  # the behaviour the mutation removes, in one line
     original: str  # text within one line of the module, found there exactly once
@@ -69,7 +71,12 @@ class Mutation:
 
     @property
     def path(self) -> Path:
-        return ROOT / (self.module if "/" in self.module else f"src/vit_recipes/{self.module}.py")
+        """The module's file (see `module`)."""
+        package = ROOT / "src" / "vit_recipes"
+        if self.module.startswith("src/"):
+            return ROOT / self.module
+        found = [package / f"{self.module}.py"] if "/" in self.module else sorted(package.rglob(f"{self.module}.py"))
+        return found[0] if len(found) == 1 else package / f"{self.module}.py"  # two of one name: not found there
 
 
 @dataclass

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vit_recipes.plots import write_plots
+from vit_recipes.publish.plots import write_plots
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,8 @@
-"""Recipes to fine-tune Vision Transformers with transformers, DeepSpeed and FSDP."""
+"""Recipes to fine-tune Vision Transformers with transformers, DeepSpeed and FSDP.
+
+Its folders by concern, bottom to top: core/, data/, model/, plan/, publish/, train/ (each imports only folders
+below it, as its own docstring says), and at the root the script's steps (steps.py) and `adapters.load_model`, the
+public import. docs/development.md draws the map."""
 
 import logging
 import warnings

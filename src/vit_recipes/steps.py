@@ -12,10 +12,11 @@ import torch
 import transformers
 from accelerate.utils import gather_object
 
-from .adapters import check_adapter_strategy, drop_zero3_leaf_modules, save_final_model
-from .arguments import RunArguments
-from .card import card_info, write_model_card
-from .data import (
+from .core.arguments import RunArguments
+from .core.errors import RecipeError, first_line
+from .core.hub import hub_error_message
+from .core.metrics import make_compute_metrics
+from .data.data import (
     MULTI_LABEL,
     ImageSplits,
     balanced_sample_weights,
@@ -26,7 +27,7 @@ from .data import (
     write_labels,
     write_skipped,
 )
-from .decoding import (
+from .data.decoding import (
     SKIPPED_DURING_RUN,
     DecodingCollator,
     StorageFormat,
@@ -35,23 +36,22 @@ from .decoding import (
     skipped_during_run,
     storage_format,
 )
-from .errors import RecipeError, first_line
-from .figures import FigureProcess
-from .flops import peak_flops, training_flops_per_image
-from .hub import hub_error_message
-from .images import LOST
-from .memory import load_config
-from .meter import SpeedMeter
-from .metrics import make_compute_metrics
-from .modeling import FinetuneSetup, evaluation_processor
-from .observability import attach as attach_observability
-from .plan import RunPlan, remember_compiled
-from .plots import write_plots
-from .reports import write_reports
-from .run_dir import LOSS_RECORD, read_loss_record, record_run
-from .streaming import load_stream_splits, stream_rows
-from .trainer import Evaluated, ImageClassificationTrainer
-from .transforms import build_mixup, build_transforms
+from .data.images import LOST
+from .data.streaming import load_stream_splits, stream_rows
+from .data.transforms import build_mixup, build_transforms
+from .model.adapters import check_adapter_strategy, drop_zero3_leaf_modules, save_final_model
+from .model.facts import ModelFacts, read_model_facts
+from .model.flops import peak_flops, training_flops_per_image
+from .model.modeling import FinetuneSetup, evaluation_processor
+from .plan.plan import RunPlan, remember_compiled
+from .plan.run_dir import LOSS_RECORD, read_loss_record, record_run
+from .publish.card import card_info, write_model_card
+from .publish.figures import FigureProcess
+from .publish.plots import write_plots
+from .publish.reports import write_reports
+from .train.meter import SpeedMeter
+from .train.observability import attach as attach_observability
+from .train.trainer import Evaluated, ImageClassificationTrainer
 
 logger = logging.getLogger("run_image_classification")
 
@@ -73,11 +73,12 @@ def setup_logging(training_args) -> None:
     )
 
 
-def load_data(args: RunArguments) -> ImageSplits:
-    """The dataset's splits with integer labels; with no dataset (predicting only), the model's labels."""
+def load_data(args: RunArguments, facts: ModelFacts | None = None) -> ImageSplits:
+    """The dataset's splits with integer labels; with no dataset (predicting only), the model's labels (from `facts`,
+    the plan's)."""
     if not args.data.dataset_name:
-        config = load_config(args.model.model_name_or_path, args.model.cache_dir, args.model.model_revision)
-        return labels_of_model(args.model.model_name_or_path, config)
+        facts = facts or read_model_facts(args.model, labels=True)
+        return labels_of_model(args.model.model_name_or_path, facts.labels())
     training = args.training
     if args.data.streaming and training.do_train:
         splits = load_stream_splits(args.data, training, args.model.cache_dir)

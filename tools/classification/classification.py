@@ -1,12 +1,12 @@
 """Accuracy, top-k and macro F1/precision/recall, or (config "multilabel") mAP, micro/macro F1 and exact match: a
 local `evaluate` module, so evaluation works offline (unlike `evaluate.load("accuracy")`), loaded by path:
-`evaluate.load("tools/classification")`. Its arithmetic is the package's (vit_recipes.metrics, which a run calls
+`evaluate.load("tools/classification")`. Its arithmetic is the package's (vit_recipes.core.metrics, which a run calls
 directly), so it needs vit_recipes installed."""
 
 import datasets
 import evaluate
 
-from vit_recipes.metrics import classification_scores
+from vit_recipes.core.metrics import classification_scores
 
 _DESCRIPTION = """\
 accuracy; top{k}_accuracy (the reference among the k = min(top_k, num_classes) highest scores); f1_macro,

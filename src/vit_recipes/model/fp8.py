@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.vit.modeling_vit import ViTLayer
 
-from .errors import RecipeError
+from ..core.errors import RecipeError
 
 logger = logging.getLogger(__name__)
 

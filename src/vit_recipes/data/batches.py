@@ -9,8 +9,8 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import WeightedRandomSampler
 
-from .interrupt import worker_ignores_stop_signals
-from .swap import swapped
+from ..core.interrupt import worker_ignores_stop_signals
+from ..core.swap import swapped
 from .transforms import Randomness
 
 WORKER_NICENESS = 10  # added to a DataLoader worker's nice value: well below the main process, still scheduled

@@ -26,11 +26,11 @@ import torch
 from datasets import Dataset, Value
 from datasets.fingerprint import Hasher
 
+from ..core.errors import RecipeError
+from ..core.launch import env_int
+from ..core.metrics import LEFT_OUT
 from .data import LABELS, PIXELS, ImageSplits, refuse_classes_without_images
-from .errors import RecipeError
 from .images import BRIGHTER, LOST, decode_to_chw, image_path, probe, problem_of, stored_size, white_level
-from .launch import env_int
-from .metrics import LEFT_OUT
 from .streaming import is_stream
 
 logger = logging.getLogger(__name__)

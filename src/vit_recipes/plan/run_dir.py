@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RecipeError
+from ..core.errors import RecipeError
 
 logger = logging.getLogger(__name__)
 

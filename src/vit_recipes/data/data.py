@@ -17,9 +17,9 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Value
 from datasets.utils.stratify import stratified_shuffle_split_generate_indices
 
-from .errors import RecipeError, first_line
+from ..core.errors import RecipeError, first_line
+from ..core.hub import LOCAL_BUILDERS, written_as_path
 from .folder_index import DATA_BUILDERS, IMAGES, image_files, load_folder
-from .hub import LOCAL_BUILDERS, written_as_path
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import datasets
 from datasets.data_files import FILES_TO_IGNORE, NON_WORDS_CHARS, SPLIT_KEYWORDS
 from PIL import Image
 
-from .errors import RecipeError
+from ..core.errors import RecipeError
 from .images import HEIF_EXTENSIONS, IMAGE_EXTENSIONS
 
 logger = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .metrics import LEFT_OUT, scored_rows
-from .swap import swapped
-from .transforms import smooth_targets
+from ..core.metrics import LEFT_OUT, scored_rows
+from ..core.swap import swapped
+from ..data.transforms import smooth_targets
 
 logger = logging.getLogger(__name__)
 

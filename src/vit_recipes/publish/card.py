@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_from_cache
 
-from .data import imbalance, resolve_source
-from .hub import redact
-from .launch import env_int
-from .streaming import stream_rows
+from ..core.hub import redact
+from ..core.launch import env_int
+from ..data.data import imbalance, resolve_source
+from ..data.streaming import stream_rows
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def _license_of(model: str | None, cache_dir: str | None, revision: str) -> str 
 
 def _source() -> str | None:
     """Where the code came from: `<remote URL> at commit <sha>` when the script runs from a git checkout."""
-    root = Path(__file__).resolve().parents[2]  # src/vit_recipes/card.py -> the repository
+    root = Path(__file__).resolve().parents[3]  # src/vit_recipes/publish/card.py -> the repository
     if not (root / ".git").exists():
         return None
 

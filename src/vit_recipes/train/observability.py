@@ -9,7 +9,7 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from .arguments import ObservabilityArguments
+from ..core.arguments import ObservabilityArguments
 from .meter import SpeedMeter
 
 logger = logging.getLogger(__name__)

@@ -9,18 +9,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from safetensors import SafetensorError
-from transformers import AutoImageProcessor, AutoModelForImageClassification, PretrainedConfig
+from transformers import AutoModelForImageClassification, PretrainedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto import modeling_auto
 from transformers.utils import logging as hf_logging
 
-from .arguments import LoraArguments, ModelArguments
+from ..core.arguments import LoraArguments, ModelArguments
+from ..core.errors import RecipeError, first_line
 from .attention import NAME as SDPA_DIRECT  # importing it registers it with transformers' AttentionInterface
 from .classifiers import classifier_class
-from .errors import RecipeError, first_line
+from .facts import ModelFacts, image_processor, read_model_facts
 from .levers import add_drop_path
 from .lora import adapter_base, apply_lora, attach_adapter, base_signature, freeze_backbone, is_adapter_dir, unwrap
-from .memory import config_from_args
 from .patch_embedding import use_patch_matmul
 
 try:  # transformers >= 5.2x names the PIL backend explicitly; it saves as "BitImageProcessor" either way
@@ -60,10 +60,11 @@ def check_config(config: PretrainedConfig, source: str, processor_size: int | No
     return image_size
 
 
-def build_model(model_args, label_names: list[str]):
-    """The classification model with a head for `label_names`, and its resolution."""
-    config, pretrained = config_from_args(model_args)
-    source = model_args.model_name_or_path or model_args.config_name
+def build_model(model_args, label_names: list[str], facts: ModelFacts | None = None):
+    """The classification model with a head for `label_names`, and its resolution. `facts`: the run's, read once in
+    the plan (read here without them: a model built outside a run, as load_model's)."""
+    facts = facts or read_model_facts(model_args)
+    config, pretrained, source = facts.fresh_config(), facts.pretrained, facts.source
     id2label, count = dict(enumerate(label_names)), len(label_names)
     old_labels = getattr(config, "num_labels", None)
     same_head = pretrained and old_labels == count and getattr(config, "id2label", {}) == id2label
@@ -71,7 +72,7 @@ def build_model(model_args, label_names: list[str]):
     config.id2label, config.label2id = id2label, {name: i for i, name in id2label.items()}
     if hasattr(config, "label_names"):  # timm's config.json: saved instead of id2label, and it would win
         config.label_names = list(label_names)
-    image_size = training_image_size(model_args, config, source)
+    image_size = training_image_size(facts)
     rate, own = model_args.drop_path_rate, hasattr(config, "drop_path_rate")  # BEiT, DINOv2, Swin, ConvNeXt, ...
     if rate is not None and own:
         config.drop_path_rate = rate
@@ -122,12 +123,12 @@ def build_model(model_args, label_names: list[str]):
     return model, image_size
 
 
-def training_image_size(model_args, config: PretrainedConfig, source: str, say: bool = True) -> int:
+def training_image_size(facts: ModelFacts, say: bool = True) -> int:
     """The side of the square images the model trains on: its image processor's (its crop, else its resize: what
     pipeline() and transformers' example feed it) where the model runs at that size as it is, else its config's
     image_size. They differ for DINOv2: 518 in the config, the size of its position table, which it interpolates to
     the 224 its processor crops (5x fewer tokens). `say`: log which, and why, when they differ."""
-    processor_size = processor_image_size(model_args)
+    config, source, processor_size = facts.fresh_config(), facts.source, facts.processor_size
     own = check_config(config, source, processor_size)  # the config's (else the processor's: ResNet has none)
     if not processor_size or processor_size == own:
         return own
@@ -139,14 +140,14 @@ def training_image_size(model_args, config: PretrainedConfig, source: str, say: 
                 "The image processor of %s feeds it %d px, but %s runs only at its config's image_size %d (without "
                 "interpolate_pos_encoding, which pipeline() does not pass): training at %d px; the saved image "
                 "processor says so",
-                source, processor_size, classifier_class(config).__name__, own, own,
+                source, processor_size, facts.classifier.__name__, own, own,
             )  # fmt: skip
         return own
     if say:
         logger.info(
             "Training at %d px, the size the image processor of %s feeds it; the config's image_size %d is the size "
             "of its position table, which %s interpolates",
-            processor_size, source, own, classifier_class(config).__name__,
+            processor_size, source, own, facts.classifier.__name__,
         )  # fmt: skip
     return processor_size
 
@@ -176,7 +177,7 @@ DIRECT_ATTENTION_FAMILIES = ("vit", "deit", "dinov2", "swin")
 
 
 def attention_for(config: PretrainedConfig, asked: str) -> str | None:
-    """The attention implementation: 'auto' calls SDPA directly (vit_recipes.attention: the same kernel without
+    """The attention implementation: 'auto' calls SDPA directly (vit_recipes.model.attention: the same kernel without
     transformers' per-call checks) for the families tested with it, else lets transformers pick (SDPA, else eager);
     'sdpa' or 'sdpa_direct' where the class has no SDPA: one line."""
     model_class = classifier_class(config)
@@ -198,38 +199,6 @@ def attention_for(config: PretrainedConfig, asked: str) -> str | None:
     return asked
 
 
-def _image_processor(model_args):
-    """The checkpoint's image processor (--image_processor_name, else the model's), or None when there is none."""
-    source = model_args.image_processor_name or model_args.model_name_or_path
-    if not source:
-        return None
-    if os.path.exists(os.path.expanduser(source)):  # a local folder: read again (a run may have rewritten it)
-        return _load_processor.__wrapped__(source, model_args.cache_dir)
-    return _load_processor(source, model_args.cache_dir)  # a Hub id: one call per run (input size, then mean/std)
-
-
-@functools.lru_cache(maxsize=8)
-def _load_processor(source: str, cache_dir: str | None):
-    try:
-        return AutoImageProcessor.from_pretrained(os.path.expanduser(source), cache_dir=cache_dir)
-    except (OSError, ValueError, AttributeError, TypeError):
-        return None
-
-
-def processor_image_size(model_args) -> int | None:
-    """The square input the checkpoint's image processor produces (its crop, else its resize), or None."""
-    if (processor := _image_processor(model_args)) is None:
-        return None
-    if getattr(processor, "data_config", None):  # timm's TimmWrapperImageProcessor: (3, height, width)
-        return processor.data_config["input_size"][-1]
-    for key in ("crop_size", "size") if getattr(processor, "do_center_crop", False) else ("size",):
-        size = dict(getattr(processor, key, None) or {})
-        value = size.get("height") or size.get("shortest_edge")
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 @dataclass
 class FinetuneSetup:
     """How the model is fine-tuned, for the later steps of the script."""
@@ -241,6 +210,7 @@ class FinetuneSetup:
     metrics: dict[str, float]  # parameter counts, added to the train metrics
     signature: list | None = None  # of the frozen base (LoRA), see base_signature
     lora: dict = field(default_factory=dict)  # r, alpha, dropout, target modules (LoRA)
+    base_facts: ModelFacts | None = None  # the base's config, read once, for building it again (merging)
 
     def card_fields(self, hyperparameters: dict) -> dict:
         """CardInfo fields: the peft library for an adapter, tags, and the method's hyperparameters."""
@@ -278,16 +248,19 @@ def _finish(model, image_size, setup: FinetuneSetup, what: str, detail: str, tra
     return model, image_size, setup
 
 
-def build_finetune_model(model_args, lora_args: LoraArguments, training_args, label_names: list[str]):
-    """The model to train or evaluate, its input resolution, and a `FinetuneSetup`."""
+def build_finetune_model(
+    model_args, lora_args: LoraArguments, training_args, label_names: list[str], facts: ModelFacts | None = None
+):
+    """The model to train or evaluate, its input resolution, and a `FinetuneSetup`; `facts`: the plan's."""
+    facts = facts or read_model_facts(model_args)
     if is_adapter_dir(model_args.model_name_or_path):
-        return _build_from_adapter(model_args, lora_args, training_args, label_names)
+        return _build_from_adapter(model_args, lora_args, training_args, label_names, facts)
     method = lora_args.method
-    model, image_size = build_model(model_args, label_names)
+    model, image_size = build_model(model_args, label_names, facts)
     setup = FinetuneSetup(method, lora_args.merge_adapter, None, list(label_names), {})
     detail = ""
     if method == "lora":
-        setup.signature, setup.base_args = base_signature(model), model_args
+        setup.signature, setup.base_args, setup.base_facts = base_signature(model), model_args, facts
         model, detail = apply_lora(model, lora_args, training_args)
     elif method == "head":
         detail = f": the head ({', '.join(freeze_backbone(model))}) on a frozen backbone"
@@ -295,7 +268,7 @@ def build_finetune_model(model_args, lora_args: LoraArguments, training_args, la
     return _finish(model, image_size, setup, what, detail, training_args)
 
 
-def _build_from_adapter(model_args, lora_args, training_args, label_names):
+def _build_from_adapter(model_args, lora_args, training_args, label_names, facts: ModelFacts):
     """A saved adapter folder as --model_name_or_path: its base with its head, then the adapter."""
     path = model_args.model_name_or_path
     if lora_args.freeze_backbone:
@@ -310,10 +283,11 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names):
             f"{len(label_names)}: evaluate it on the dataset it was trained on"
         )
     base_args = replace(model_args, model_name_or_path=adapter_base(path))
-    model, image_size = build_model(base_args, label_names)
+    model, image_size = build_model(base_args, label_names, facts)  # facts of the base (read_model_facts)
     trainable = bool(getattr(training_args, "do_train", False))
     model = attach_adapter(model, path, is_trainable=trainable, base_source=base_args.model_name_or_path)
     setup = FinetuneSetup("lora", lora_args.merge_adapter, base_args, list(label_names), {}, base_signature(model))
+    setup.base_facts = facts
     if trainable and getattr(training_args, "gradient_checkpointing", False):
         unwrap(model).enable_input_require_grads()
     detail = f" loaded from {path} onto {base_args.model_name_or_path}"
@@ -361,7 +335,7 @@ def zero3_state_dict_for_new_head(source: str, config, revision: str = "main", c
 def mean_std(model_args) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Normalisation from the checkpoint's image processor (ViT's 0.5/0.5 when there is none)."""
     try:
-        processor = _image_processor(model_args)
+        processor = image_processor(model_args)
         norm = getattr(processor, "data_config", None)  # timm's wrapper keeps its mean/std there
         mean, std = (norm["mean"], norm["std"]) if norm else (processor.image_mean, processor.image_std)
         return tuple(mean), tuple(std)

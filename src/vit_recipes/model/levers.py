@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import TrainerCallback
 
-from .errors import RecipeError
+from ..core.errors import RecipeError
 
 logger = logging.getLogger(__name__)
 EMA_FILE = "ema.safetensors"  # in each checkpoint: the average, restored on resume

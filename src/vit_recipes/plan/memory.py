@@ -1,17 +1,12 @@
 """Memory per GPU of each strategy (`estimate`) and host memory for offload, from the config alone (meta device).
 tools/advise.py prints the table (its docstring gives the formulas); plan.py and checks.py read it."""
 
-import os
 from dataclasses import dataclass
 
-from transformers.utils import logging
-
-from .classifiers import classifier_class
-from .errors import RecipeError, first_line
-from .hub import check_local_path, offline_env, reachable_or_cached, written_as_path
+from ..core.errors import RecipeError
+from ..model.facts import model_size
 from .strategies import STRATEGIES, StrategySpec
 
-logger = logging.get_logger(__name__)  # transformers': it has warning_once
 GIB = 2**30
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for host memory, also used for FSDP2's offload
 # Shipped configs that autocast over fp32 weights (tests check ds_configs/); offload ones: bf16 mode, 16-bit weights
@@ -22,73 +17,6 @@ PREFERENCE = ("ddp", "zero1", "zero2", "fsdp2", "zero3", "zeropp", "zero2_offloa
 
 def gib(size: float) -> str:
     return f"{size / GIB:.1f}"
-
-
-def load_config(name: str, cache_dir: str | None = None, revision: str = "main"):
-    """The config of a model type ("vit"), a local folder or a Hub id (cache first); one line on failure."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if name in CONFIG_MAPPING_NAMES:
-        return AutoConfig.for_model(name)
-    check_local_path(name, "model")
-    reachable_or_cached(name, cache_dir, revision, f"download the config of '{name}'")
-    try:
-        return AutoConfig.from_pretrained(os.path.expanduser(name), cache_dir=cache_dir, revision=revision)
-    except (OSError, ValueError) as err:
-        if offline_env() and not written_as_path(name):
-            raise RecipeError(
-                f"'{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1: pass a local checkpoint "
-                "folder, or unset HF_HUB_OFFLINE"
-            ) from None
-        raise RecipeError(
-            f"cannot load model '{name}': {first_line(err)} (a local checkpoint folder or Hub id; offline, "
-            "use a local path or --config_name to train from scratch)"
-        ) from None
-
-
-def model_size(config) -> tuple[int, int]:
-    """(parameters, parameters of the largest layer) of the classification model, built on the meta device."""
-    from accelerate import init_empty_weights
-    from accelerate.utils import calculate_maximum_sizes
-
-    try:
-        model_class = classifier_class(config)
-    except KeyError:
-        raise RecipeError(f"'{config.model_type}' is not an image-classification model") from None
-    # The class itself, not from_config: under ZeRO-3, from_config would partition it with deepspeed.zero.Init.
-    with init_empty_weights():
-        model = model_class(config)
-    total_bytes, (largest_bytes, _) = calculate_maximum_sizes(model)
-    params = sum(p.numel() for p in model.parameters())
-    return params, int(round(largest_bytes * params / max(1, total_bytes)))  # bytes -> elements of the meta model
-
-
-def config_from_args(model_args):
-    """The config the script builds from, and whether weights come from a checkpoint."""
-    if model_args.model_name_or_path:
-        if model_args.config_overrides:  # the checkpoint's shape wins; once, though several steps read the config
-            logger.warning_once(
-                f"--config_overrides ({model_args.config_overrides}) is ignored: {model_args.model_name_or_path} is a "
-                "trained checkpoint and keeps its own config (set --model_name_or_path null to train the overridden "
-                "shape from scratch)"
-            )
-        return load_config(model_args.model_name_or_path, model_args.cache_dir, model_args.model_revision), True
-    config = load_config(model_args.config_name)
-    if model_args.config_overrides:
-        try:
-            config.update_from_string(model_args.config_overrides)
-        except ValueError as err:
-            raise RecipeError(f"bad --config_overrides: {err}") from None
-    return config, False
-
-
-def model_size_from_args(model_args) -> tuple[int, int] | None:
-    """`model_size` of the model the script will train (None when its config cannot be read yet)."""
-    try:
-        return model_size(config_from_args(model_args)[0])
-    except (RecipeError, ValueError, OSError, AttributeError):
-        return None
 
 
 def zero2_states(params: int, gpus_per_node: int, nodes: int, offload: bool) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import _safe_divide, average_precision, scored_rows  # the metric's own, not copies
+from ..core.metrics import _safe_divide, average_precision, scored_rows  # the metric's own, not copies
 from .plots import figure_grid, save_png
 
 CSV_FIELDS = ("class_id", "label", "support", "correct", "accuracy")

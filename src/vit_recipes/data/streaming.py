@@ -31,11 +31,11 @@ import pyarrow.parquet as pq
 import torch
 from datasets.distributed import split_dataset_by_node
 
+from ..core.errors import RecipeError, first_line
+from ..core.swap import swapped
 from .batches import worker_setup
 from .data import LABELS, VALIDATION_SPLITS, ImageSplits, find_column, resolve_source, sample
-from .errors import RecipeError, first_line
 from .folder_index import DATA_BUILDERS, index_folder, load_folder, suffix
-from .swap import swapped
 
 logger = logging.getLogger(__name__)
 

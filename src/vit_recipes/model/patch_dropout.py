@@ -5,7 +5,7 @@ import logging
 import torch
 from torch import nn
 
-from .errors import RecipeError
+from ..core.errors import RecipeError
 
 logger = logging.getLogger(__name__)
 

@@ -11,14 +11,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..core.arguments import RunArguments, compile_cache_dir, compile_regions, run_config, set_checkpointing
+from ..core.errors import RecipeError, first_line
+from ..core.launch import bind_deepspeed_comm, env_int, is_true, launch_notes
+from ..model.facts import ModelFacts, read_model_facts
+from ..model.lora import is_adapter_dir
+from ..model.modeling import training_image_size
 from . import strategies
-from .arguments import RunArguments, compile_cache_dir, compile_regions, run_config, set_checkpointing
 from .checks import check_plan, config_value, deepspeed_checkpoint_world_size, turned_on
-from .errors import RecipeError, first_line
-from .launch import bind_deepspeed_comm, env_int, is_true, launch_notes
-from .lora import is_adapter_dir
-from .memory import PREFERENCE, config_from_args, estimate, gib, model_shape
-from .modeling import training_image_size
+from .memory import PREFERENCE, estimate, gib, model_shape
 from .run_dir import OutputState, lock_output_dir, remove_checkpoints, resolve_output_dir, to_universal
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class RunPlan:
     global_batch: int  # images per optimizer step: per-device batch x accumulation x world size
     output: OutputState  # a fresh start, a run to resume (from which checkpoint), an overwrite, or a refusal
     identity: dict[str, Any]  # the settings that make this run this run (run_config.json)
+    model: ModelFacts  # the model's config, classifier class, processor size: read here once, passed on
 
     @property
     def resume_from(self) -> str | None:
@@ -174,8 +176,9 @@ def build_plan(args: RunArguments) -> RunPlan:
     """Derive the plan from parsed arguments and refuse, in one line, anything that could only fail later."""
     t = args.training
     strategy, precision, device = read_strategy(t), precision_of(t), device_kind(t)
+    facts = read_model_facts(args.model, labels=not args.data.dataset_name)  # the run's one read of the config
     if device == "cuda":
-        strategy = advise_memory(args, strategy, precision)
+        strategy = advise_memory(args, strategy, precision, facts)
     elif t.checkpointing_by_memory:
         logger.info(
             "Gradient checkpointing off (no GPU memory to estimate; --gradient_checkpointing true turns it on)"
@@ -184,7 +187,7 @@ def build_plan(args: RunArguments) -> RunPlan:
     # A checkpoint written under other settings is refused on auto-resume; one process and DDP resume each other.
     kind = "ddp or single" if strategy.name in ("ddp", "single") else strategy.name
     identity = {**run_config(args), "strategy": kind, "global_batch": global_batch, "recipe": args.recipe}
-    plan = RunPlan(strategy, precision, device, global_batch, resolve_output_dir(t, identity), identity)
+    plan = RunPlan(strategy, precision, device, global_batch, resolve_output_dir(t, identity), identity, facts)
     check_plan(plan, args)
     spec, resumed = strategy.spec, f" from {plan.resume_from}" if plan.resume_from else ""
     half = strategy.deepspeed and precision != "fp32"  # DeepSpeed's two 16-bit modes: docs/distributed.md
@@ -205,7 +208,7 @@ def build_plan(args: RunArguments) -> RunPlan:
     return plan
 
 
-def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Strategy:
+def advise_memory(args: RunArguments, strategy: Strategy, precision: str, facts: ModelFacts) -> Strategy:
     """Checkpointing, where unset, on only if the batch won't fit without it; one line if a lighter strategy fits."""
     import torch
 
@@ -217,9 +220,8 @@ def advise_memory(args: RunArguments, strategy: Strategy, precision: str) -> Str
     gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     budget, world = FITS_WITHIN * gpu, strategy.world_size
     try:  # full fine-tuning's states: an upper bound for LoRA and head-only runs
-        config, source = config_from_args(args.model)[0], args.model.model_name_or_path or args.model.config_name
         # the tokens of the size it trains at (DINOv2: its processor's 224, not its config's 518; modeling.py)
-        shape = replace(model_shape(config), image_size=training_image_size(args.model, config, source, say=False))
+        shape = replace(model_shape(facts.fresh_config()), image_size=training_image_size(facts, say=False))
         by_name = {e.strategy.name: e for e in estimate(shape, world, batch, strategy.nodes, precision, keys=rows)}
     except (RecipeError, OSError, ValueError, AttributeError, KeyError) as err:  # not ViT-shaped, or not readable yet
         if t.checkpointing_by_memory:

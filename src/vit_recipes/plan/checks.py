@@ -12,10 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .classifiers import classifier_class
-from .data import resolve_source
-from .errors import RecipeError
-from .hub import (
+from ..core.errors import RecipeError
+from ..core.hub import (
     LOCAL_BUILDERS,
     check_local_path,
     check_push_ready,
@@ -24,10 +22,11 @@ from .hub import (
     reachable_or_cached,
     written_as_path,
 )
-from .launch import is_true, visible_gpus
-from .levers import add_drop_path, transformer_layers
-from .memory import config_from_args, host_memory_for, model_size_from_args
-from .patch_dropout import token_embeddings
+from ..core.launch import is_true, visible_gpus
+from ..data.data import resolve_source
+from ..model.levers import add_drop_path, transformer_layers
+from ..model.patch_dropout import token_embeddings
+from .memory import host_memory_for
 from .run_dir import WRITE_PROBE
 
 
@@ -82,11 +81,11 @@ def check_plan(plan, args) -> None:
     if strategy.deepspeed:
         _check_deepspeed(plan, t)
     if strategy.offload_optimizer or strategy.offload_params:
-        check_host_memory(strategy, args.model)
+        check_host_memory(strategy, plan.model)
     if getattr(t, "fp8", False):
         check_fp8(cpu, t, args.lora.use_peft)
     if t.gradient_checkpointing or args.augment.patch_dropout or t.layer_decay < 1 or args.model.drop_path_rate:
-        check_model_family(args)
+        check_model_family(args, plan.model)
     check_resume(strategy, plan.resume_from)  # before the output dir's refusal: it says more about ZeRO shards
     if plan.output.refusal:
         raise RecipeError(plan.output.refusal)
@@ -217,15 +216,13 @@ def _check_deepspeed(plan, t) -> None:
         )
 
 
-def check_model_family(args) -> None:
+def check_model_family(args, facts) -> None:
     """Refuse, before data loads, checkpointing, patch dropout, layer decay or drop path where the family lacks it."""
     from accelerate import init_empty_weights
 
-    try:
-        config = config_from_args(args.model)[0]
-        model_class = classifier_class(config)
-    except (RecipeError, KeyError, ValueError, OSError):  # no config to read yet: build_model says why
+    if facts.config is None or facts.classifier is None:  # no config, or no classifier for it: build_model says why
         return
+    config, model_class = facts.fresh_config(), facts.classifier
     with init_empty_weights():  # on the meta device: no memory, no weights read
         model = model_class(config)  # timm's wrapper says on the instance whether its model checkpoints
     if args.training.gradient_checkpointing and not model.supports_gradient_checkpointing:
@@ -241,13 +238,14 @@ def check_model_family(args) -> None:
         add_drop_path(model, args.model.drop_path_rate)
 
 
-def check_host_memory(strategy, model_args) -> None:
+def check_host_memory(strategy, facts) -> None:
     """Offloading keeps optimizer states (and maybe parameters) in host RAM: refuse when it cannot fit."""
     import psutil
 
-    if (size := model_size_from_args(model_args)) is None:  # no config to read yet: build_model reports that
+    try:
+        params, largest = facts.size
+    except (RecipeError, ValueError, OSError, AttributeError):  # no config to read, or to size: build_model says why
         return
-    params, largest = size
     if (needed := host_memory_for(strategy, params, largest)) > (available := psutil.virtual_memory().available):
         raise RecipeError(
             f"{strategy.spec.label} needs about {needed / 2**30:.1f} GiB of host memory on this node for "

@@ -10,15 +10,15 @@ from typing import Any, NamedTuple
 from torch.profiler import record_function
 from transformers import Trainer
 
+from ..data.batches import DeviceBatches
+from ..data.streaming import StreamedBatches
+from ..model.adapters import without_activation_wrappers
+from ..model.levers import AppliesLevers
+from ..publish.card import write_model_card
 from . import lazy_deepspeed  # noqa: F401  accelerate's unwrap stops importing DeepSpeed (see that module)
-from .adapters import without_activation_wrappers
-from .batches import DeviceBatches
-from .card import write_model_card
 from .checkpoint_io import CheckpointFiles
-from .levers import AppliesLevers
 from .loss import ClassificationLoss, LossOnTheDevice, WindowMeans
 from .stopping import StopsCleanly
-from .streaming import StreamedBatches
 
 
 class Evaluated(NamedTuple):

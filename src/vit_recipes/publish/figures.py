@@ -16,12 +16,12 @@ from .reports import plot_confusion_matrix
 
 
 class FigureProcess:
-    """Two `python -m vit_recipes.figures` children, each fed one JSON line per figure on its stdin: one draws the
+    """Two `python -m vit_recipes.publish.figures` children, each fed one JSON line per figure on its stdin: one draws the
     training plots, the other the confusion matrix (the slowest figure at 100 classes and more), at the same time;
     `finish` waits for them all."""
 
     def __init__(self):
-        package_root = str(Path(__file__).resolve().parents[1])  # importable there however this process found it
+        package_root = str(Path(__file__).resolve().parents[2])  # importable there however this process found it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self._children = {kind: _Child(env) for kind in ("plots", "matrix")}
 
@@ -52,7 +52,7 @@ class _Child:
     def __init__(self, env: dict):
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read in wait(), closed with the object
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "vit_recipes.figures"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            [sys.executable, "-m", "vit_recipes.publish.figures"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=self._stderr, text=True, env=env,
         )  # fmt: skip
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arguments import LoraArguments
-from .errors import RecipeError, first_line
+from ..core.arguments import LoraArguments
+from ..core.errors import RecipeError, first_line
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

@@ -5,7 +5,7 @@ import gc
 from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
 
-from .interrupt import RunInterrupted, StopOnSignal
+from ..core.interrupt import RunInterrupted, StopOnSignal
 
 
 class _NothingLeftToTrain(Exception):

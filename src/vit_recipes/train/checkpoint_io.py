@@ -10,8 +10,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME
 from transformers.utils import logging as hf_logging
 
-from .errors import RecipeError, first_line
-from .run_dir import how_checkpoint_differs, mark_complete, write_loss_record
+from ..core.errors import RecipeError, first_line
+from ..plan.run_dir import how_checkpoint_differs, mark_complete, write_loss_record
 
 logger = logging.getLogger(__name__)
 
