@@ -20,12 +20,15 @@ batch's `first_loss` is the loss of the initial weights, the same for every vari
 
 Recipe: the runs of benchmarks/suites/step.yaml (the CIFAR ViT-B recipe's settings, steady images/s from the speed
 meter) through the one runner, `python -m benchmarks.run step --out OUT/recipe`, with what is left of the budget.
+Numerics: the suite's `-500` runs (one seed, 500 steps, a log line every 10) set against the compiled default's loss,
+50 steps at a time, within NUMERICS_TOLERANCE.
 
 OUT (default benchmarks/results/<date>_step_1x<card>): step.json (every variant and recipe run, the device, library
-versions, command, commit), step.md (the table), step.png (the chart), logs/ (each variant's output), recipe/ (the
-runner's record), trace_<run>.md (tools/trace_analysis.py on the profiled recipe run). Exit status 0 once the
-record is written, whatever failed in it (the record says what). BENCH_STEP_FAIL=<variant> makes that variant fail
-at once (how the tests check that a failure is recorded, not fatal).
+versions, command, commit), step.md (the table, the numerics), step.png (the chart), step_loss.png (the `-500` runs'
+loss curves), logs/ (each variant's output), recipe/ (the runner's record), trace_<run>.md (tools/trace_analysis.py
+on the profiled recipe run). Exit status 0 once the record is written, whatever failed in it (the record says what).
+BENCH_STEP_FAIL=<variant> makes that variant fail at once (how the tests check that a failure is recorded, not
+fatal).
 """
 
 from __future__ import annotations
