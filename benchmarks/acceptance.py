@@ -715,8 +715,8 @@ def check_single(suite: Suite, add, ran) -> None:
     if not suite.cpu and all(n in suite.jobs and ran("single", n) for n in ("default", "compiled")):
         # Compiled on one GPU, the layers run as CUDA graphs (one line says so), and the loss is eager's
         eager, compiled = losses(w / "default"), losses(w / "compiled")
-        rel = abs(compiled.get(STEPS, float("inf")) - eager.get(STEPS, 0.0)) / max(abs(eager.get(STEPS, 0.0)), 1e-12)
-        graphs = any("CUDA graphs on" in line for line in log_text(suite, "compiled").splitlines())
+        rel, _ = max_rel(compiled, eager, [STEPS])
+        graphs = "CUDA graphs on" in log_text(suite, "compiled")
         add("single", f"compiled on one GPU: CUDA graphs, one line says so, loss at step {STEPS} within "
             f"{LOSS_TOLERANCE:.0%} of eager's", "compiled", graphs and rel <= LOSS_TOLERANCE,
             f"{'CUDA graphs line' if graphs else 'no CUDA graphs line'}; {compiled.get(STEPS)} vs {eager.get(STEPS)}")  # fmt: skip
