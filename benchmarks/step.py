@@ -664,8 +664,9 @@ def numerics(record: dict) -> list[str]:
         shared = [end for end in reference if end in means]
         if name == NUMERICS_BASELINE or len(shared) < 2:
             continue
-        worst = max(shared, key=lambda end: abs(means[end] - reference[end]) / reference[end])
-        gap = abs(means[worst] - reference[worst]) / reference[worst]
+        gaps = {end: abs(means[end] - reference[end]) / reference[end] for end in shared}
+        worst = max(gaps, key=gaps.get)
+        gap = gaps[worst]
         last = shared[-1]
         rows.append({"name": name, "windows": len(shared), "worst_window_end": worst, "worst_rel_diff": round(gap, 4),
                      "last_window": [round(reference[last], 4), round(means[last], 4)],
