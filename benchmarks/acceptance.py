@@ -328,6 +328,8 @@ class Suite:
     def plan_data(self) -> None:
         for source, flags in DATA.items():
             extra = ("--dataset_name", str(self.assets / source), *flags)
+            if self.cpu and source == "photos":  # vit-tiny's 32 px would decode the photos once (~37 px, under 2x
+                extra += ("--storage_size", "256")  # their bytes); at ViT-B's 256 px auto decodes them per batch
             for s in ("ddp", "zero2"):
                 self.training(f"{source}-{s}", "data", s, self.procs, extra=extra, report=False)
             out = self.work / f"kill-{source}"

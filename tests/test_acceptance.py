@@ -79,6 +79,21 @@ def test_a_part_brings_the_runs_it_needs_and_no_more(acceptance, tmp_path):
     } | {f"{k}-{s}" for k in ("term", "resume-term") for s in acceptance.SIGNALLED}
 
 
+def test_the_cpu_plan_stores_its_photos_large_enough_to_decode_them_per_batch(acceptance, tmp_path):
+    """--cpu's vit-tiny (32 px) would store the photos at 37 px, decoded once; the data checks want them per batch."""
+    from vit_recipes.data.decoding import StorageFormat, choose_decoding
+
+    args = SimpleNamespace(work=str(tmp_path), cpu=True, per_gpu=4, budget=None)
+    cpu, gpu = acceptance.Suite(args, 2), suite_for(acceptance, 2, tmp_path, parts=["data"])
+    cpu.plan(["data"])
+    for name in ("photos-ddp", "photos-zero2", "kill-photos", "resume-photos"):
+        assert "--storage_size 256" in command(cpu, name) and "--storage_size" not in command(gpu, name)
+    assert "--storage_size" not in command(cpu, "stream-ddp")
+    photo = dict(sampled=(496, 336), source_bytes=46 * 1024)  # the suite's photos, as the GPU run's log says
+    assert choose_decoding("auto", StorageFormat((37, 37), **photo))[0] == "once"
+    assert choose_decoding("auto", StorageFormat((256, 256), **photo))[0] == "per_batch"
+
+
 def fake_run(out: Path, losses: dict[int, float], accuracy=0.4):
     out.mkdir(parents=True, exist_ok=True)
     history = [{"step": s, "loss": v} for s, v in losses.items()]
