@@ -33,11 +33,12 @@ if (_THREADS := threads_per_worker(_WORKERS, os.environ.get("OMP_NUM_THREADS")))
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
-# The groups `make test` deals first, longest first (seconds on 2 cores, 2026-11-28: ~230, ~155, ~135, ~120, ~100,
-# ~90, ~65, ~55); the rest follow in file order. Dealt last, as pytest-xdist's own order (by test count) put these
-# few-test groups, one worker ran them alone at the end. A stale entry costs time, never a test.
-SLOWEST_GROUPS = ("test_distributed-resume", "test_distributed-launchers", "test_checkpoints", "test_distributed",
-                  "test_benchmarks", "test_script", "test_streaming", "test_fp8")  # fmt: skip
+# The groups `make test` deals first, longest first (seconds on 2 cores with 2 workers, 2026-12-02, --durations:
+# ~480, ~160, ~125, ~110, ~85, ~80, ~55, ~40 of ~1,400 in all); the rest follow in file order. Dealt last, as
+# pytest-xdist's own order (by test count) put these few-test groups, one worker ran them alone at the end. A stale
+# entry costs time, never a test.
+SLOWEST_GROUPS = ("test_distributed-resume", "test_distributed-launchers", "test_benchmarks", "test_checkpoints",
+                  "test_script", "test_streaming", "test_fp8", "test_profiling")  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
