@@ -228,13 +228,14 @@ def measure_variant(variant: Variant, batches: list[int], warmup: int, steps: in
     if variant.precision == "bf16-layernorm":
         bf16_layernorms(model)
     trained = model
+    mode = {"mode": variant.mode} if variant.mode else {}  # torch's default mode where the variant names none
     if variant.compile == "regions":
         from accelerate.utils import compile_regions
 
-        trained = compile_regions(model, backend=backend, **({"mode": variant.mode} if variant.mode else {}))
+        trained = compile_regions(model, backend=backend, **mode)
         forward = (lambda x: trained(pixel_values=x).logits) if variant.model == "hf" else trained
     elif variant.compile == "whole":
-        forward = torch.compile(forward, backend=backend, **({"mode": variant.mode} if variant.mode else {}))
+        forward = torch.compile(forward, backend=backend, **mode)
     if masters:  # after the regional compile: the wrappers' hooks run around the compiled blocks, as in torchtitan
         trained = master_weights(trained, variant.precision)
         forward = lambda x: trained(pixel_values=x).logits  # noqa: E731

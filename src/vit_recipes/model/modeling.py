@@ -286,8 +286,8 @@ def _build_from_adapter(model_args, lora_args, training_args, label_names, facts
     model, image_size = build_model(base_args, label_names, facts)  # facts of the base (read_model_facts)
     trainable = bool(getattr(training_args, "do_train", False))
     model = attach_adapter(model, path, is_trainable=trainable, base_source=base_args.model_name_or_path)
-    setup = FinetuneSetup("lora", lora_args.merge_adapter, base_args, list(label_names), {}, base_signature(model))
-    setup.base_facts = facts
+    setup = FinetuneSetup("lora", lora_args.merge_adapter, base_args, list(label_names), {}, base_signature(model),
+                          base_facts=facts)  # fmt: skip
     if trainable and getattr(training_args, "gradient_checkpointing", False):
         unwrap(model).enable_input_require_grads()
     detail = f" loaded from {path} onto {base_args.model_name_or_path}"
