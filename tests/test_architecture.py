@@ -105,7 +105,7 @@ def test_the_map_in_the_development_guide_is_the_package():
     """docs/development.md's map names every module in its folder, and each folder's imports as FOLDERS has them."""
     text = (ROOT / "docs" / "development.md").read_text()
     block = re.search(r"```\n(src/vit_recipes/\n.*?)```", text, re.S).group(1)
-    drawn, imports, folder = {}, {}, None
+    drawn, imports, folder = set(), {}, None
     for line in block.splitlines()[1:]:
         if head := re.match(r"^  (\w+/|\w+\.py)\s+-> (.+)$", line):
             folder = head.group(1).rstrip("/") if head.group(1).endswith("/") else ""
@@ -118,9 +118,9 @@ def test_the_map_in_the_development_guide_is_the_package():
                 else {u.strip().rstrip("/") for u in uses.split(",")}
             )
         for name in re.findall(r"\b(\w+)\.py\b", line):
-            drawn[f"{folder}/{name}".lstrip("/")] = True
+            drawn.add(f"{folder}/{name}".lstrip("/"))
     assert imports == FOLDERS
-    assert set(drawn) == set(modules()) - {"__init__"}
+    assert drawn == set(modules()) - {"__init__"}
 
 
 def test_the_public_import_of_load_model_still_works():
